@@ -1,0 +1,47 @@
+# torchtitan_ext — one-command set-up on a fresh machine (CPU-only is fine).
+#   make demo   : venv + install + embedded data, then train the llama3 debug model ~20 steps on CPU
+#   make test   : venv + install, then the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= train_configs/llama3_debug_cpu.toml
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup demo demo-resume test test-fast lint bench clean-demo
+
+setup: $(STAMP)
+
+# torch is installed first and pinned: on a machine without a GPU the local CPU wheel of
+# torch 2.13.0 is used, so nothing pulls a multi-GB CUDA build; pyproject pins the same version.
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "from torchtitan_ext.data.embedded import ensure_embedded_data as e; print('embedded data:', e())"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m torchtitan_ext.train --config-file $(CONFIG) $(ARGS)
+
+# Continue the demo job 10 steps past its last checkpoint.
+demo-resume: setup
+	$(PY) -m torchtitan_ext.train --config-file $(CONFIG) --training.steps 30 $(ARGS)
+
+clean-demo:
+	rm -rf outputs/llama3_debug_cpu
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check torchtitan_ext scripts benchmarks tests
+
+bench: setup
+	$(PY) -m benchmarks --list

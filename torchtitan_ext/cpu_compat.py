@@ -1,0 +1,254 @@
+"""Shims that let torchtitan 0.3.0's own Trainer run on a machine without CUDA.
+
+torchtitan 0.3.0 assumes a GPU in a handful of places. Each workaround below names the torchtitan
+line it addresses. All of them are **inert when CUDA is present**: :func:`apply` returns at once
+(and :func:`adapt_config` changes nothing) if ``torch.cuda.is_available()``, so a GPU user runs
+exactly upstream torchtitan. Everything here must run *before* the first import of
+``torchtitan.trainer`` (several modules copy ``device_type`` by name at import time).
+
+What each shim does (in the order the failures appear on a CPU box):
+
+1. ``torchtitan/distributed/minimal_async_ep/kernels.py:10`` does ``import triton``
+   unconditionally (reached from ``trainer.py`` via ``models/common/token_dispatcher.py``).
+   PyPI triton is ~1 GB and useless without a GPU, so when it is not installed we pre-register
+   *that kernels module* with stubs that raise if anything ever calls them (only expert-parallel
+   GPU paths do). ``triton`` itself is not faked: torch checks for it to pick inductor backends.
+2. ``torchtitan/tools/utils.py:55`` sets ``device_type = _get_available_device_type() or "cuda"``
+   — "cuda" on a CPU box, so ``trainer.py:301`` ``device_module.set_device`` fails with
+   ``torch._C has no _cuda_setDevice``. We set ``device_type = "cpu"`` and a small CPU
+   ``device_module`` (set_device, device_count, memory stats ...) before anyone copies them.
+3. ``torchtitan/distributed/utils.py:595`` calls ``torch.distributed.set_timeout``, which
+   torch 2.13 does not have; ``distributed_c10d._set_pg_timeout`` does the same job.
+4. ``FlexAttention`` (``models/common/attention.py:243``) has no backward on CPU: the model's
+   inner attention configs are swapped for ``ScaledDotProductAttention.Config()`` (plain causal
+   attention; per-document masking needs Flex/varlen, i.e. a GPU — RoPE still uses our
+   per-document ``positions``).
+5. DP >= 2 on CPU (gloo): the default ``spmd_backend="spmd_types"`` raises "all parameters must be
+   DTensors", so we use ``partial_dtensor``; and gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP
+   uses to divide gradients — ``trainer.py`` disables FSDP's division anyway
+   (``distributed/fsdp.py:27``), so we force plain SUM reductions
+   (``FSDPModule.set_force_sum_reduction_for_comms``), which is numerically the same thing.
+6. ``training.disable_cuda_graphs`` is forced on (CUDA graphs need CUDA).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+_applied = False
+
+
+def needed() -> bool:
+    """True when shims are required: no CUDA device available."""
+    return not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------- 1. triton
+_TRITON_KERNEL_MODULE = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _stub_triton_kernels() -> None:
+    """Pre-register torchtitan's triton kernel module (not ``triton`` itself: torch probes
+    ``import triton`` to decide whether inductor can use it, and a fake would mislead it).
+    Its kernels are only launched by expert-parallel GPU paths; calling one here raises."""
+    if _TRITON_KERNEL_MODULE in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    mod = types.ModuleType(_TRITON_KERNEL_MODULE)
+    mod.__dict__["__cpu_compat_stub__"] = True
+
+    def __getattr__(item: str) -> Any:
+        # Dunders stay missing: inspect.getmodule() probes every module's __file__.
+        if item.startswith("__"):
+            raise AttributeError(item)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"{_TRITON_KERNEL_MODULE}.{item} needs triton and CUDA; torchtitan_ext.cpu_compat "
+                "stubbed it so the Trainer can be imported on a CPU-only machine"
+            )
+
+        kernel.__name__ = item
+        return kernel
+
+    mod.__dict__["__getattr__"] = __getattr__
+    sys.modules[_TRITON_KERNEL_MODULE] = mod
+
+
+# ------------------------------------------------------------------------------ 2. device_type/module
+class _CPUDeviceModule(types.ModuleType):
+    """The subset of ``torch.cuda``'s API that torchtitan's Trainer and metrics call."""
+
+    def __init__(self) -> None:
+        super().__init__("torchtitan_ext_cpu_device")
+
+    def set_device(self, device: Any) -> None:  # nothing to select on CPU
+        return None
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    def get_device_name(self, device: Any = None) -> str:
+        return "cpu"
+
+    def get_device_properties(self, device: Any = None) -> Any:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return types.SimpleNamespace(name="cpu", total_memory=total, major=0, minor=0)
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        return {}
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return 0
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return 0
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return 0
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return 0
+
+
+def _patch_device() -> None:
+    import torchtitan.tools.utils as tt_utils
+
+    tt_utils.device_type = "cpu"
+    tt_utils.device_module = _CPUDeviceModule()
+    # Modules that already copied the names by value (only if imported before us).
+    for name in (
+        "torchtitan.components.metrics",
+        "torchtitan.models.common.token_dispatcher",
+        "torchtitan.distributed.parallel_dims",
+        "torchtitan.distributed.utils",
+        "torchtitan.tools.profiler",
+    ):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            if hasattr(mod, "device_type"):
+                mod.device_type = "cpu"
+            if hasattr(mod, "device_module"):
+                mod.device_module = tt_utils.device_module
+
+
+# --------------------------------------------------------------------------------- 3. set_timeout
+def _patch_set_timeout() -> None:
+    import torch.distributed as dist
+
+    if hasattr(dist, "set_timeout"):
+        return
+    from torch.distributed import distributed_c10d
+
+    def set_timeout(timeout: Any, group: Any = None) -> None:
+        distributed_c10d._set_pg_timeout(timeout, group)
+
+    dist.set_timeout = set_timeout  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------ 5. gloo SUM
+def _patch_fsdp_sum_reduction() -> None:
+    import torchtitan.distributed.fsdp as tt_fsdp
+
+    original = tt_fsdp.disable_fsdp_gradient_division
+    if getattr(original, "__cpu_compat__", False):
+        return
+
+    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
+        original(model)
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # gloo lacks ReduceOp.PREMUL_SUM / AVG for reduce-scatter; with the divide
+                # factor already 1.0 a plain SUM is the same arithmetic.
+                module.set_force_sum_reduction_for_comms(True)
+
+    disable_fsdp_gradient_division.__cpu_compat__ = True  # type: ignore[attr-defined]
+    tt_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torchtitan") and getattr(mod, "disable_fsdp_gradient_division", None) is original:
+            mod.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+
+
+def apply() -> bool:
+    """Install every import-time shim if CUDA is absent. Idempotent. Returns whether applied."""
+    global _applied
+    if not needed():
+        return False
+    if _applied:
+        return True
+    _stub_triton_kernels()
+    _patch_device()
+    _patch_set_timeout()
+    _patch_fsdp_sum_reduction()
+    _applied = True
+    log.info("torchtitan_ext.cpu_compat: CPU shims applied (no CUDA device)")
+    return True
+
+
+def adapt_config(config: Any) -> list[str]:
+    """Config-level shims (4-6) for a ``Trainer.Config`` about to run on CPU. Returns a list of
+    human-readable changes (logged by the launcher). No-op with CUDA."""
+    if not needed():
+        return []
+    changes: list[str] = []
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    try:
+        from torchtitan.models.common.attention import VarlenAttention
+        masked: tuple[type, ...] = (FlexAttention.Config, VarlenAttention.Config)
+    except ImportError:  # older layouts have no varlen backend; Flex is the one that matters
+        masked = (FlexAttention.Config,)
+    if config.model_spec is not None:
+        swapped = 0
+        for cls in masked:
+            for _fqn, _cfg, parent, attr in list(config.model_spec.model.traverse(cls)):
+                if isinstance(parent, list):
+                    parent[attr] = ScaledDotProductAttention.Config()
+                elif parent is not None:
+                    setattr(parent, attr, ScaledDotProductAttention.Config())
+                else:
+                    continue
+                swapped += 1
+        if swapped:
+            changes.append(f"attention: {swapped} FlexAttention/Varlen -> SDPA (no CPU backward)")
+    if config.parallelism.spmd_backend == "spmd_types":
+        config.parallelism.spmd_backend = "partial_dtensor"
+        changes.append("parallelism.spmd_backend: spmd_types -> partial_dtensor")
+    if not config.training.disable_cuda_graphs:
+        config.training.disable_cuda_graphs = True
+        changes.append("training.disable_cuda_graphs: True")
+    if config.comm.init_timeout_seconds < 600:
+        # gloo start-up on a loaded 2-core box can be slow; a generous timeout avoids flakes.
+        config.comm.init_timeout_seconds = 600
+    return changes

@@ -1,0 +1,190 @@
+"""The embedded default corpus: public-domain text shipped in the wheel, turned into Parquet
+shards and a locally trained tokenizer on first use. Nothing is downloaded.
+
+Source texts (gzip, ~1.6 MB in the package): Tolstoy's *War and Peace* (Maude translation,
+Project Gutenberg #2600) and "tiny Shakespeare" — both public domain.
+
+Documents. Real pre-training corpora have long-tailed document lengths (a few hundred tokens at the
+median, a tail of tens of thousands), and packing behaves very differently on such data than on
+fixed-size chunks. So the corpus is cut into documents of *lognormal* target length: consecutive
+paragraphs are grouped until the group reaches a length drawn from a seeded lognormal (median
+~1.6 kB ≈ 400 tokens, sigma 1.1: ~2 % of documents exceed 8k tokens). Everything is deterministic.
+
+Layout written by :func:`ensure_embedded_parquet` (in the cache directory)::
+
+    embedded_text_v1/
+      train-00000-of-00004.parquet   # column "text"; row groups of ``rows_per_group`` docs
+                                     # (256 by default: the corpus has only ~1.3k documents,
+                                     # and ~1k-doc groups would leave DP sharding 2 groups)
+      ...
+      val-00000-of-00001.parquet     # a held-out slice, never overlapping train
+      tokenizer/tokenizer.json, tokenizer_config.json   (byte-level BPE, vocab 2048)
+
+The cache directory is ``$TORCHTITAN_EXT_CACHE`` or ``~/.cache/torchtitan_ext``. Building it takes
+~5 s on a 2-core machine (mostly tokenizer training) and happens once; writers use a temporary
+directory and an atomic rename, so concurrent first uses (torchrun ranks) are safe.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+FORMAT_VERSION = 1
+SOURCES = ("war_and_peace.txt.gz", "tinyshakespeare.txt.gz")
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+DEFAULT_VOCAB_SIZE = 2048
+
+
+def cache_root() -> Path:
+    """Where derived data (Parquet shards, tokenizers, VL caches) is written."""
+    env = os.environ.get("TORCHTITAN_EXT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "torchtitan_ext"
+
+
+def source_text(name: str) -> str:
+    """One shipped source text, decompressed."""
+    with resources.files("torchtitan_ext.data").joinpath(name).open("rb") as f:
+        return gzip.decompress(f.read()).decode("utf-8")
+
+
+def _paragraphs(text: str) -> list[str]:
+    text = text.replace("\r\n", "\n")
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def corpus_documents(seed: int = 0, median_chars: int = 1600, sigma: float = 1.1) -> list[str]:
+    """The embedded corpus as a deterministic list of documents with long-tailed lengths."""
+    rng = random.Random(seed)
+    docs: list[str] = []
+    for name in SOURCES:
+        cur: list[str] = []
+        size = 0
+        target = rng.lognormvariate(0.0, sigma) * median_chars
+        for para in _paragraphs(source_text(name)):
+            cur.append(para)
+            size += len(para) + 2
+            if size >= target:
+                docs.append("\n\n".join(cur))
+                cur, size = [], 0
+                target = rng.lognormvariate(0.0, sigma) * median_chars
+        if cur:
+            docs.append("\n\n".join(cur))
+    return docs
+
+
+def _atomic_dir(final: Path) -> tuple[Path, callable]:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+
+    def commit() -> None:
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process (e.g. another torchrun rank) won the race and renamed its
+            # identical copy first; ours is redundant, so dropping it loses nothing.
+            if not (final / "DONE").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return tmp, commit
+
+
+def write_parquet_shards(
+    docs: list[str], out_dir: Path, prefix: str, num_shards: int, rows_per_group: int
+) -> list[Path]:
+    """Write ``docs`` round-robin-free (contiguous) into ``num_shards`` Parquet files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    per = -(-len(docs) // num_shards)
+    for i in range(num_shards):
+        part = docs[i * per : (i + 1) * per]
+        path = out_dir / f"{prefix}-{i:05d}-of-{num_shards:05d}.parquet"
+        pq.write_table(pa.table({"text": part}), path, row_group_size=rows_per_group)
+        paths.append(path)
+    return paths
+
+
+def train_tokenizer(docs: list[str], out_dir: Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
+    """Train a byte-level BPE tokenizer locally (HF ``tokenizers``) and save it as a torchtitan /
+    transformers-loadable directory (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": 1 << 20,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def ensure_embedded_data(
+    root: str | Path | None = None,
+    *,
+    num_shards: int = 4,
+    rows_per_group: int = 256,
+    val_fraction: float = 0.02,
+) -> Path:
+    """Build (once) and return the embedded dataset directory (Parquet + tokenizer/)."""
+    root = Path(root) if root is not None else cache_root()
+    final = root / f"embedded_text_v{FORMAT_VERSION}_s{num_shards}_g{rows_per_group}"
+    if (final / "DONE").exists():
+        return final
+    tmp, commit = _atomic_dir(final)
+    docs = corpus_documents()
+    n_val = max(1, int(len(docs) * val_fraction))
+    # The validation split is the *last* documents, in a separate file: never in train.
+    train_docs, val_docs = docs[:-n_val], docs[-n_val:]
+    write_parquet_shards(train_docs, tmp, "train", num_shards, rows_per_group)
+    write_parquet_shards(val_docs, tmp, "val", 1, rows_per_group)
+    train_tokenizer(train_docs, tmp / "tokenizer")
+    info = {
+        "format_version": FORMAT_VERSION,
+        "documents": {"train": len(train_docs), "val": len(val_docs)},
+        "sources": list(SOURCES),
+    }
+    (tmp / "info.json").write_text(json.dumps(info, indent=2))
+    (tmp / "DONE").write_text("ok\n")
+    commit()
+    return final
+
+
+def embedded_tokenizer_dir(root: str | Path | None = None) -> Path:
+    return ensure_embedded_data(root) / "tokenizer"
+
+
+def iter_texts(path: str | Path) -> Iterator[str]:
+    """Iterate the ``text`` column of every train shard of an embedded dataset dir (tests, tools)."""
+    import pyarrow.parquet as pq
+
+    for p in sorted(Path(path).glob("train-*.parquet")):
+        yield from pq.read_table(p, columns=["text"]).column("text").to_pylist()

@@ -1,0 +1,101 @@
+"""Launcher: run torchtitan 0.3.0's Trainer from a TOML train config.
+
+    python -m torchtitan_ext.train --config-file train_configs/llama3_debug_cpu.toml [--section.key v ...]
+    torchrun --nproc_per_node 2 -m torchtitan_ext.train --config-file ... (DP=2: gloo on CPU, NCCL on GPU)
+    torchtitan-ext-train --config-file ...   (console script)
+
+Without torchrun, a single-process job gets the rendezvous environment torchtitan expects
+(``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a free ``MASTER_PORT`` on localhost), so the plain
+``python -m`` form works. ``--help`` lists every section, ours included, with their docs.
+``--print-config`` prints the merged config as JSON and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Give a non-torchrun process the env torchtitan's init_distributed reads."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def parse_launcher_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config-file", "--config_file", dest="config_file", default=None)
+    p.add_argument("--print-config", action="store_true")
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns, rest = parse_launcher_args(argv)
+    ensure_single_process_env()
+
+    from torchtitan_ext import cpu_compat
+
+    cpu_compat.apply()
+    from torchtitan.tools.logging import init_logger, logger
+
+    from torchtitan_ext.config import ConfigError, config_to_dict, load_config
+
+    init_logger()
+    if "-h" in rest or "--help" in rest:
+        # tyro prints every section (torchtitan's and ours) with field docstrings, then exits.
+        load_config(ns.config_file, rest)
+        return 0
+    try:
+        config = load_config(ns.config_file, rest)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    for change in cpu_compat.adapt_config(config):
+        logger.info(f"cpu_compat: {change}")
+    if ns.print_config:
+        print(json.dumps(config_to_dict(config), indent=2))
+        return 0
+    return run(config)
+
+
+def run(config) -> int:
+    import torch
+    from torchtitan.tools.logging import logger
+
+    trainer = None
+    try:
+        trainer = config.build()
+        if config.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    except Exception:
+        if trainer is not None:
+            trainer.close()
+        raise
+    else:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
