@@ -94,10 +94,11 @@ class PrefetchSection:
     """Documents held by the best-fit packer to choose from (seed: ``bos_dataloader_buffer_size``,
     1000). Larger lowers the crop rate."""
 
+    # section field -> field of the loader Config (PrefetchingParquetDataLoader.Config)
     _targets: ClassVar[dict[str, str]] = {
-        "queue_size": "prefetch_queue_size",
-        "tokenizer_batch_size": "tokenizer_batch_size",
-        "buffer_size": "buffer_size",
+        "queue_size": "queue_size",
+        "tokenizer_batch_size": "chunk_rows",
+        "buffer_size": "buffer_docs",
     }
 
 

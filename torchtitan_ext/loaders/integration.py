@@ -59,9 +59,8 @@ def loader_stats(loader: Any) -> dict[str, float]:
 # Which stats make it into the one-line summary, in order (name in get_stats() -> label).
 _LINE_KEYS = (
     ("queue_depth", "queue"),
-    ("consumer_wait_ms", "wait_total_ms"),
-    ("tokens_cropped_pct", "crop%"),
-    ("skipped", "skipped"),
+    ("crop_pct", "crop%"),
+    ("docs_skipped", "skipped"),
 )
 
 
