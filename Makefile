@@ -16,7 +16,7 @@ setup: $(STAMP)
 
 # torch is installed first and pinned: on a machine without a GPU the local CPU wheel of
 # torch 2.13.0 is used, so nothing pulls a multi-GB CUDA build; pyproject pins the same version.
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml $(wildcard setup.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
