@@ -20,7 +20,11 @@ _NOT_CASES = {"common", "__main__"}
 
 def available() -> list[str]:
     here = os.path.dirname(__file__)
-    return sorted(m.name for m in pkgutil.iter_modules([here]) if m.name not in _NOT_CASES and not m.name.startswith("_"))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules([here])
+        if m.name not in _NOT_CASES and not m.name.startswith("_")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="small inputs: a smoke run, not numbers to quote")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="case-specific option")
+    p.add_argument(
+        "--quick", action="store_true", help="small inputs: a smoke run, not numbers to quote"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="case-specific option"
+    )
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
     if a.list or not a.names:
@@ -43,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in a.names:
         if name not in available():
-            print(f"unknown benchmark {name!r}; available: {', '.join(available())}", file=sys.stderr)
+            print(
+                f"unknown benchmark {name!r}; available: {', '.join(available())}", file=sys.stderr
+            )
             return 2
         mod = importlib.import_module(f"benchmarks.{name}")
         rows = mod.run(args)

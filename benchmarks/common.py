@@ -53,7 +53,9 @@ class Row:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> tuple[float, list[float]]:
+def median_time(
+    fn: Callable[[], Any], repeats: int = 5, warmup: int = 1
+) -> tuple[float, list[float]]:
     """Median wall seconds of ``fn()`` over ``repeats`` runs (after ``warmup`` untimed runs)."""
     for _ in range(warmup):
         fn()
@@ -104,7 +106,11 @@ def write_json(path: str, name: str, args: BenchArgs, rows: list[Row]) -> None:
     doc = {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "args": asdict(args),
         "rows": [asdict(r) for r in rows],
     }

@@ -38,7 +38,11 @@ def write(tmp_path: Path, body: str, name: str = "job.toml") -> Path:
 def test_toml_round_trip_sets_torchtitan_and_our_sections(tmp_path):
     cfg = load_config(TOY)
     assert isinstance(cfg, ExtTrainer.Config)
-    assert cfg.training.steps == 4 and cfg.training.seq_len == 32 and cfg.training.local_batch_size == 2
+    assert (
+        cfg.training.steps == 4
+        and cfg.training.seq_len == 32
+        and cfg.training.local_batch_size == 2
+    )
     assert cfg.checkpoint.enable is True and cfg.checkpoint.interval == 2
     assert type(cfg.dataloader).__qualname__ == "ToyLoader.Config"
     assert cfg.dataloader.vocab_size == 200
@@ -61,22 +65,28 @@ def test_precedence_cli_beats_toml_beats_defaults(tmp_path):
 
 
 def test_nested_list_of_dataclasses(tmp_path):
-    p = write(tmp_path, f"""
+    p = write(
+        tmp_path,
+        """
         [optimizer]
-        param_groups = [{{ pattern = ".*", optimizer_name = "AdamW", optimizer_kwargs = {{ lr = 0.001 }} }}]
+        param_groups = [{ pattern = ".*", optimizer_name = "AdamW", optimizer_kwargs = { lr = 0.001 } }]
         [dataloader]
         name = "toy"
-    """)
+    """,
+    )
     cfg = load_config(p)
     (g,) = cfg.optimizer.param_groups
     assert g.optimizer_name == "AdamW" and g.optimizer_kwargs == {"lr": 0.001}
 
 
 def test_typo_key_error_names_file_key_and_suggestion(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [training]
         stesp = 3
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as e:
         load_config(p)
     msg = str(e.value)
@@ -85,10 +95,13 @@ def test_typo_key_error_names_file_key_and_suggestion(tmp_path):
 
 
 def test_wrong_type_error_names_key_and_expected_type(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [training]
         steps = "ten"
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as e:
         load_config(p)
     msg = str(e.value)
@@ -96,19 +109,25 @@ def test_wrong_type_error_names_key_and_expected_type(tmp_path):
 
 
 def test_bool_is_not_an_int(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [training]
         steps = true
-    """)
+    """,
+    )
     with pytest.raises(ConfigError, match="expected int"):
         load_config(p)
 
 
 def test_literal_choices_are_checked(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [lr_scheduler]
         decay_type = "cosinus"
-    """)
+    """,
+    )
     with pytest.raises(ConfigError, match="expected one of"):
         load_config(p)
 
@@ -116,42 +135,54 @@ def test_literal_choices_are_checked(tmp_path):
 def test_missing_file_and_unknown_loader(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.toml")
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [dataloader]
         name = "no_such_loader"
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert "dataloader.name" in str(e.value) and "no_such_loader" in str(e.value)
 
 
 def test_unknown_loader_field_is_an_error(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [dataloader]
         name = "toy"
         vocab_sise = 10
-    """)
+    """,
+    )
     with pytest.raises(ConfigError, match="did you mean 'vocab_size'"):
         load_config(p)
 
 
 def test_section_value_the_loader_cannot_take_is_an_error(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [dataloader]
         name = "toy"
         [prefetch]
         queue_size = 8
-    """)
+    """,
+    )
     with pytest.raises(ConfigError, match=r"\[prefetch\] queue_size is set but"):
         load_config(p)
 
 
 def test_cli_switches_loader_by_name(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [dataloader]
         name = "toy"
         vocab_size = 50
-    """)
+    """,
+    )
     cfg = load_config(p, ["--dataloader.name", "toy", "--dataloader.seed", "3"])
     assert cfg.dataloader.seed == 3 and cfg.dataloader.vocab_size == 50
 
@@ -159,7 +190,10 @@ def test_cli_switches_loader_by_name(tmp_path):
 def test_help_lists_our_sections_with_docs():
     out = subprocess.run(
         [sys.executable, "-m", "tests.support.run_with_toy", "--config-file", str(TOY), "--help"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-2000:]
@@ -170,9 +204,19 @@ def test_help_lists_our_sections_with_docs():
 
 def test_cli_type_error_exits_nonzero():
     out = subprocess.run(
-        [sys.executable, "-m", "tests.support.run_with_toy", "--config-file", str(TOY),
-         "--training.steps", "many"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "tests.support.run_with_toy",
+            "--config-file",
+            str(TOY),
+            "--training.steps",
+            "many",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert out.returncode != 0
     assert "training.steps" in (out.stdout + out.stderr)

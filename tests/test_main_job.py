@@ -22,18 +22,43 @@ pytestmark = pytest.mark.integration
 MAIN = REPO / "train_configs" / "llama3_debug_cpu.toml"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--checkpoint.interval", "2",
-         "--debug.seed", "0", "--debug.deterministic"]
+SMALL = [
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--checkpoint.interval",
+    "2",
+    "--debug.seed",
+    "0",
+    "--debug.deterministic",
+]
 
 
 def train(args: list[str], nproc: int = 1) -> tuple[str, dict[int, str]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "torchtitan_ext.train"]
     if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "torchtitan_ext.train"]
-    out = subprocess.run(launcher + ["--config-file", str(MAIN), *SMALL, *args],
-                         capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            "-m",
+            "torchtitan_ext.train",
+        ]
+    out = subprocess.run(
+        launcher + ["--config-file", str(MAIN), *SMALL, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
     text = ANSI.sub("", out.stdout + out.stderr)
     assert out.returncode == 0, text[-4000:]
     losses: dict[int, str] = {}

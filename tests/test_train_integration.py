@@ -27,12 +27,26 @@ def run(args: list[str], nproc: int = 1, timeout: int = 300) -> tuple[str, dict[
     if nproc == 1:
         cmd = [sys.executable, "-m", "tests.support.run_with_toy"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m",
-               "tests.support.run_with_toy"]
-    out = subprocess.run(cmd + ["--config-file", str(TOY), "--debug.seed", "0",
-                                "--debug.deterministic", *args],
-                         capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            "-m",
+            "tests.support.run_with_toy",
+        ]
+    out = subprocess.run(
+        cmd + ["--config-file", str(TOY), "--debug.seed", "0", "--debug.deterministic", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+    )
     text = ANSI.sub("", out.stdout + out.stderr)
     assert out.returncode == 0, text[-4000:]
     losses: dict[int, str] = {}
@@ -41,8 +55,14 @@ def run(args: list[str], nproc: int = 1, timeout: int = 300) -> tuple[str, dict[
     return text, losses
 
 
-def test_dp1_trains_checkpoints_and_resumes_exactly(tmp_path):
-    full, full_losses = run(["--training.steps", "4", "--dump_folder", str(tmp_path / "a")])
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[str, dict[int, str]]:
+    """The reference: 4 steps in one go, DP=1."""
+    return run(["--training.steps", "4", "--dump_folder", str(tmp_path_factory.mktemp("full"))])
+
+
+def test_dp1_trains_checkpoints_and_resumes_exactly(tmp_path, uninterrupted):
+    full, full_losses = uninterrupted
     assert sorted(full_losses) == [1, 2, 3, 4]
     assert "data_wait:" in full  # our stats appended to torchtitan's step line
 
@@ -60,3 +80,20 @@ def test_dp2_under_torchrun(tmp_path):
     assert sorted(losses) == [1, 2]
     assert "global batch size 4" in text  # 2 ranks x local batch 2
     assert (tmp_path / "dp2" / "checkpoint" / "step-2").is_dir()
+
+
+def test_staging_switch_is_transparent_and_resumes_exactly(tmp_path, uninterrupted):
+    """[staging] enable wraps the loader in AsyncDeviceLoader (a prefetching thread on CPU):
+    same losses as without it, and a resume replays the batches that were in flight."""
+    _, plain = uninterrupted
+    _, staged = run(
+        ["--training.steps", "4", "--staging.enable", "--dump_folder", str(tmp_path / "s")]
+    )
+    assert staged == plain
+    _, first = run(
+        ["--training.steps", "2", "--staging.enable", "--dump_folder", str(tmp_path / "c")]
+    )
+    _, second = run(
+        ["--training.steps", "4", "--staging.enable", "--dump_folder", str(tmp_path / "c")]
+    )
+    assert {**first, **second} == plain

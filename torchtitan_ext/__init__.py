@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "StreamingTextDataset": "torchtitan_ext.text.streaming:StreamingTextDataset",
     "CachedVLDataset": "torchtitan_ext.vl.dataset:CachedVLDataset",
     "AsyncDeviceLoader": "torchtitan_ext.device.staging:AsyncDeviceLoader",
+    "wrap_for_device": "torchtitan_ext.device.staging:wrap_for_device",
+    "normalize_pixels": "torchtitan_ext.device.normalize:normalize_pixels",
     "train_bpe": "torchtitan_ext.tokenizer.bpe:train_bpe",
     "ExtTrainerConfig": "torchtitan_ext.config:ExtTrainerConfig",
 }

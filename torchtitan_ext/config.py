@@ -27,22 +27,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+# tomli (a declared dependency) is the library stdlib tomllib was taken from; same API.
+import tomli as _toml
+
 from torchtitan_ext import cpu_compat
 
 # Must precede the first import of torchtitan.trainer (see cpu_compat's docstring); inert with CUDA.
 cpu_compat.apply()
-
-if sys.version_info >= (3, 11):
-    import tomllib as _toml
-else:  # pragma: no cover - we require 3.11, tomli kept for older interpreters
-    import tomli as _toml
 
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
@@ -244,22 +241,31 @@ class _Coercer:
             return v
         if origin in (list, tuple, set) or tp in (list, tuple):
             if not isinstance(v, list):
-                raise self.fail(where, f"expected a list ({_type_name(tp)}), got {type(v).__name__} {v!r}")
+                raise self.fail(
+                    where, f"expected a list ({_type_name(tp)}), got {type(v).__name__} {v!r}"
+                )
             if origin is tuple and args and args[-1] is not Ellipsis:
                 if len(args) != len(v):
                     raise self.fail(where, f"expected {len(args)} items, got {len(v)}")
-                return tuple(self.value(x, a, f"{where}[{i}]") for i, (x, a) in enumerate(zip(v, args)))
+                return tuple(
+                    self.value(x, a, f"{where}[{i}]")
+                    for i, (x, a) in enumerate(zip(v, args, strict=False))
+                )
             elem = args[0] if args else Any
             out = [self.value(x, elem, f"{where}[{i}]") for i, x in enumerate(v)]
             return tuple(out) if origin is tuple else out
         if origin is dict or tp is dict:
             if not isinstance(v, dict):
-                raise self.fail(where, f"expected a table ({_type_name(tp)}), got {type(v).__name__} {v!r}")
+                raise self.fail(
+                    where, f"expected a table ({_type_name(tp)}), got {type(v).__name__} {v!r}"
+                )
             vt = args[1] if len(args) == 2 else Any
             return {k: self.value(x, vt, f"{where}.{k}") for k, x in v.items()}
         if isinstance(tp, type) and is_dataclass(tp):
             if not isinstance(v, dict):
-                raise self.fail(where, f"expected a table ({tp.__name__}), got {type(v).__name__} {v!r}")
+                raise self.fail(
+                    where, f"expected a table ({tp.__name__}), got {type(v).__name__} {v!r}"
+                )
             if isinstance(current, tp):
                 return self.apply(current, v, where)
             return self.construct(tp, v, where)
@@ -325,8 +331,11 @@ class _Coercer:
                 )
             kwargs[key] = self.value(v, hints.get(key, flds[key].type), f"{where}.{key}")
         missing = [
-            n for n, f in flds.items()
-            if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            n
+            for n, f in flds.items()
+            if n not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
         ]
         if missing:
             raise self.fail(where, f"{cls.__qualname__} needs key(s) {missing}")
@@ -336,7 +345,9 @@ class _Coercer:
         name = table.get("name")
         if name is not None:
             if not isinstance(name, str):
-                raise self.fail(f"[{where}] name", f"expected str, got {type(name).__name__} {name!r}")
+                raise self.fail(
+                    f"[{where}] name", f"expected str, got {type(name).__name__} {name!r}"
+                )
             try:
                 cls = get_loader_config(name)
             except UnknownLoaderError as e:
@@ -424,8 +435,14 @@ def base_config(model: ModelSection) -> Trainer.Config:
         raise ConfigError(f"[model] module {mod_name!r}: cannot import ({'; '.join(errors)})")
     fn = getattr(module, model.config, None)
     if not callable(fn):
-        avail = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)) and n[0].islower()]
-        raise ConfigError(f"[model] config {model.config!r} not found in {module.__name__}; available: {avail}")
+        avail = [
+            n
+            for n in dir(module)
+            if not n.startswith("_") and callable(getattr(module, n)) and n[0].islower()
+        ]
+        raise ConfigError(
+            f"[model] config {model.config!r} not found in {module.__name__}; available: {avail}"
+        )
     cfg = fn()
     if model.flavor is not None or model.attn_backend is not None:
         pkg = importlib.import_module(module.__name__.rsplit(".", 1)[0])
@@ -459,7 +476,9 @@ def _to_ext(base: Trainer.Config) -> ExtTrainer.Config:
     return ExtTrainer.Config(**kwargs)
 
 
-def load_config(config_file: str | Path | None, cli_args: list[str] | None = None) -> ExtTrainer.Config:
+def load_config(
+    config_file: str | Path | None, cli_args: list[str] | None = None
+) -> ExtTrainer.Config:
     """Build the job config: defaults < TOML file < command line. Raises ConfigError."""
     import tyro
     from torchtitan.config.manager import custom_registry
@@ -476,7 +495,9 @@ def load_config(config_file: str | Path | None, cli_args: list[str] | None = Non
         coercer.apply(model, table["model"], "model")
     for k, v in _model_overrides_from_cli(cli_args).items():
         if k not in {f.name for f in fields(ModelSection)}:
-            raise ConfigError(f"unknown option --model.{k}; valid: {[f.name for f in fields(ModelSection)]}")
+            raise ConfigError(
+                f"unknown option --model.{k}; valid: {[f.name for f in fields(ModelSection)]}"
+            )
         setattr(model, k, v)
 
     loader_name, cli_args = _take_option(cli_args, "--dataloader.name")
@@ -498,7 +519,10 @@ def load_config(config_file: str | Path | None, cli_args: list[str] | None = Non
     if cli_args:
         try:
             cfg = tyro.cli(
-                ExtTrainer.Config, args=cli_args, default=cfg, registry=custom_registry,
+                ExtTrainer.Config,
+                args=cli_args,
+                default=cfg,
+                registry=custom_registry,
                 prog="python -m torchtitan_ext.train --config-file FILE",
             )
         except SystemExit as e:

@@ -118,8 +118,12 @@ class _CPUDeviceModule(types.ModuleType):
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak,
-                "num_alloc_retries": 0, "num_ooms": 0}
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         return None
@@ -202,7 +206,10 @@ def _patch_fsdp_sum_reduction() -> None:
     disable_fsdp_gradient_division.__cpu_compat__ = True  # type: ignore[attr-defined]
     tt_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
     for name, mod in list(sys.modules.items()):
-        if name.startswith("torchtitan") and getattr(mod, "disable_fsdp_gradient_division", None) is original:
+        if (
+            name.startswith("torchtitan")
+            and getattr(mod, "disable_fsdp_gradient_division", None) is original
+        ):
             mod.disable_fsdp_gradient_division = disable_fsdp_gradient_division
 
 
@@ -232,6 +239,7 @@ def adapt_config(config: Any) -> list[str]:
 
     try:
         from torchtitan.models.common.attention import VarlenAttention
+
         masked: tuple[type, ...] = (FlexAttention.Config, VarlenAttention.Config)
     except ImportError:  # older layouts have no varlen backend; Flex is the one that matters
         masked = (FlexAttention.Config,)

@@ -40,7 +40,9 @@ def register_loader(name: str, config_cls: type | str, *, overwrite: bool = Fals
     if not name or not isinstance(name, str):
         raise ValueError(f"loader name must be a non-empty string, got {name!r}")
     if name in _REGISTRY and not overwrite and _REGISTRY[name] is not config_cls:
-        raise ValueError(f"loader {name!r} is already registered; pass overwrite=True to replace it")
+        raise ValueError(
+            f"loader {name!r} is already registered; pass overwrite=True to replace it"
+        )
     _REGISTRY[name] = config_cls
 
 

@@ -23,8 +23,17 @@ class ToyLoader(BaseDataLoader):
         infinite: bool = True
         """Unused (the toy stream is always infinite); torchtitan's validator sets it."""
 
-    def __init__(self, config: Config, *, dp_rank: int = 0, dp_world_size: int = 1, tokenizer: Any = None,
-                 seq_len: int = 16, local_batch_size: int = 2, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        tokenizer: Any = None,
+        seq_len: int = 16,
+        local_batch_size: int = 2,
+        **kwargs: Any,
+    ) -> None:
         self.config = config
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seq_len, self.batch_size = seq_len, local_batch_size
@@ -33,7 +42,9 @@ class ToyLoader(BaseDataLoader):
     def __iter__(self):
         while True:
             g = torch.Generator().manual_seed(self.config.seed + 1000 * self.dp_rank + self.step)
-            x = torch.randint(3, self.config.vocab_size, (self.batch_size, self.seq_len + 1), generator=g)
+            x = torch.randint(
+                3, self.config.vocab_size, (self.batch_size, self.seq_len + 1), generator=g
+            )
             self.step += 1
             pos = torch.arange(self.seq_len).expand(self.batch_size, -1).contiguous()
             yield {"input": x[:, :-1], "positions": pos}, x[:, 1:]

@@ -24,13 +24,23 @@ class StagedLoaderConfig:
         self.staging = staging
 
     def build(self, **kwargs: Any) -> Any:
-        from torchtitan_ext.device.staging import wrap_for_device
         from torchtitan.tools.utils import get_local_device
 
+        from torchtitan_ext.device.staging import wrap_for_device
+
         loader = self.inner.build(**kwargs)
-        return wrap_for_device(
-            loader, get_local_device(), enabled=True, num_buffers=self.staging.num_buffers
-        )
+        opts: dict[str, Any] = {
+            "num_buffers": self.staging.num_buffers,
+            # torchtitan 0.3.0's train_step sums (labels != IGNORE_INDEX) into a CPU tensor
+            # before it moves labels itself: they must stay on the host.
+            "keep_on_host": {(1,)},
+        }
+        # A VL loader that leaves pixels as uint8 for the device provides its finisher
+        # (normalise right after the copy); any loader may.
+        finisher = getattr(loader, "finish_on_device", None)
+        if callable(finisher):
+            opts["device_transform"] = finisher
+        return wrap_for_device(loader, get_local_device(), enabled=True, **opts)
 
     def __getattr__(self, item: str) -> Any:
         return getattr(self.inner, item)
@@ -73,7 +83,12 @@ class _StepLineFilter(logging.Filter):
         self.pending: str | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.pending and isinstance(record.msg, str) and "loss:" in record.msg and "step:" in record.msg:
+        if (
+            self.pending
+            and isinstance(record.msg, str)
+            and "loss:" in record.msg
+            and "step:" in record.msg
+        ):
             record.msg = f"{record.msg}  {self.pending}"
             self.pending = None
         return True
@@ -89,8 +104,13 @@ def attach_stats_logging(trainer: Any) -> None:
     flt = _StepLineFilter(trainer)
     tt_logger.addFilter(flt)
 
-    def log(step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None) -> None:
+    def log(
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
         times = list(mp.data_loading_times)
         wait_ms = 1000.0 * sum(times) / max(1, len(times))
         stats = loader_stats(trainer.dataloader)
