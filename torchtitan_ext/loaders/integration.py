@@ -71,6 +71,8 @@ _LINE_KEYS = (
     ("queue_depth", "queue"),
     ("crop_pct", "crop%"),
     ("docs_skipped", "skipped"),
+    ("skipped", "skipped"),
+    ("epoch", "epoch"),
 )
 
 

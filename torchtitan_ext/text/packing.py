@@ -1,0 +1,515 @@
+"""Packing tokenized documents into fixed-length training rows, with explicit, resumable state.
+
+Every packer emits rows of ``seq_len + 1`` tokens: the model input is ``row[:-1]`` and the labels
+are ``row[1:]`` (see :func:`row_to_example`). Alongside the tokens each row carries ``positions``
+that restart at 0 at every document start (and at the start of every row), which is what
+torchtitan's block-causal masks (``positions`` in the batch) use to keep documents apart.
+
+Modes
+-----
+``BestFitPacker(mode="crop")`` — BOS-aligned best-fit (the nanochat idea, made stable):
+  documents (each starting with BOS) wait in a buffer kept *sorted by length* (``bisect`` on a
+  list of ``(length, seq)`` keys: an O(log n) search per document instead of nanochat's linear
+  scan; the list insert/remove is a C memmove of n pointers, ~0.1 us at n=1000). A row
+  is filled by repeatedly taking the **largest buffered document that still fits**; when none fits,
+  the **shortest** document is cropped to fill the row exactly, so every row starts with BOS and is
+  100 % full. One rule nanochat lacks: a document longer than a whole row can never fit, and a
+  fresh row is the only place where cropping it wastes the minimum (``len - row``); so when a row
+  starts and such a document is buffered, it opens the row. Without this rule over-long documents
+  pile up in the buffer, and the crop rate climbs as the run goes on (measured below).
+``BestFitPacker(mode="zero_discard")`` — the same, but a cropped tail re-enters the buffer as a
+  new document with its own BOS (positions restart): no token is dropped; the price is one extra
+  BOS per cut and documents split across rows.
+``ConcatSplitPacker`` — plain concatenation (optionally with a boundary token such as EOS after
+  each document) cut into consecutive windows of ``seq_len + 1``. Windows do **not** overlap by
+  default, exactly like torchtitan's ``HuggingFaceTextDataset`` (it takes ``buffer[:seq_len+1]`` and
+  drops those tokens); ``overlap=True`` keeps the last token of a window as the first of the next
+  so that every token is a label once. Positions restart at each document start and at each
+  window start (a document continued from the previous window restarts at 0: positions never
+  exceed ``seq_len``, so RoPE caches sized to the sequence length stay valid).
+
+Measured (``python -m benchmarks packing``, one run on a 2-core box): GPT-2 tokenizer, the
+long-tailed benchmark corpus (40 MB, median 407 tokens, 0.2 % of documents past 8k tokens, 12.5 %
+of all tokens lying beyond the first row of their document), T=2048, buffer 1000 documents,
+8000 batches of 8 rows; crop/fill over batches 2667-8000 (steady state):
+
+==============================  ========  ========  ==========================================
+mode                            crop %    fill %    note
+==============================  ========  ========  ==========================================
+best-fit (crop)                 15.6      100       first 200 batches: 15.3 (stable)
+best-fit (zero-discard)         0         100       +0.045 % extra BOS tokens
+concat-split                    0         100       no document alignment
+nanochat linear best-fit        28.1      100       first 200 batches: 1.8 (climbs: pile-up)
+first-fit-decreasing bound      12.5      99.7      only the unavoidable over-long crop
+==============================  ========  ========  ==========================================
+
+Packing cost: 28 us per row (best-fit, 1000-document buffer) vs 256 us for a pure-Python linear
+scan over the same buffer.
+
+State: ``state_dict()`` returns only ints and ``numpy`` int64 arrays (the buffered documents
+concatenated, their lengths and insertion numbers, the counters), never pickled objects; a loader
+turns the arrays into lists of ints for its checkpoint. ``snapshot()`` is the cheap variant for a
+hot path (shallow copies, ~20 us for 1000 documents) and ``state_from_snapshot()`` converts it
+later. Rows after ``load_state_dict`` are bitwise identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right, insort
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+IGNORE_INDEX = -100
+"""Label value ignored by the loss (torchtitan's cross-entropy ``ignore_index``)."""
+
+_MAXSEQ = 1 << 62  # larger than any insertion number: bisect sentinel
+
+BestFitMode = Literal["crop", "zero_discard"]
+
+
+@dataclass
+class PackedRow:
+    """One packed row. Unpacks like a tuple: ``tokens, positions = packer.pop_row()``."""
+
+    tokens: np.ndarray
+    """int64 ``[seq_len + 1]``; after ``valid`` the row is padding (``pad_id``)."""
+    positions: np.ndarray
+    """int64 ``[seq_len + 1]``; 0 at every document start and at the row start."""
+    valid: int
+    """Number of real tokens; ``seq_len + 1`` except for a final partial row of a finite stream."""
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        yield self.tokens
+        yield self.positions
+
+
+def row_to_example(row: PackedRow) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(input, labels, positions)``, each ``[seq_len]``: input/positions = row[:-1], labels =
+    row[1:] with padding labels set to ``IGNORE_INDEX``."""
+    inp = row.tokens[:-1]
+    labels = row.tokens[1:].copy()
+    if row.valid < len(row.tokens):
+        # label j predicts token j+1; token j+1 is padding once j+1 >= valid
+        labels[max(row.valid - 1, 0) :] = IGNORE_INDEX
+    return inp, labels, row.positions[:-1]
+
+
+def _as_doc(doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(doc_ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+    return arr
+
+
+class _Counters:
+    """Shared bookkeeping. Invariant (checked in tests):
+    ``tokens_in + bos_inserted + boundary_tokens + tokens_carried ==
+    tokens_out + tokens_cropped + buffered_tokens``."""
+
+    _FIELDS = (
+        "rows",
+        "docs_in",
+        "tokens_in",
+        "tokens_out",
+        "tokens_cropped",
+        "docs_cropped",
+        "bos_inserted",
+        "boundary_tokens",
+        "pad_tokens",
+        "tokens_carried",
+    )
+
+    def __init__(self) -> None:
+        for f in self._FIELDS:
+            setattr(self, f, 0)
+
+    def state(self) -> dict[str, int]:
+        return {f: int(getattr(self, f)) for f in self._FIELDS}
+
+    def load(self, state: dict[str, Any]) -> None:
+        for f in self._FIELDS:
+            setattr(self, f, int(state[f]))
+
+
+def _pct(num: int, den: int) -> float:
+    return 100.0 * num / den if den else 0.0
+
+
+class BestFitPacker:
+    """BOS-aligned best-fit packing (``mode="crop"``) or its zero-discard variant.
+
+    Usage (the consumer decides when to feed; ``ready()`` says when best-fit has enough choice)::
+
+        packer = BestFitPacker(seq_len=2048, bos_id=tok.bos_id)
+        for doc in docs:                       # each doc starts with BOS
+            packer.add(doc)
+            while packer.ready():
+                tokens, positions = packer.pop_row()
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        bos_id: int,
+        mode: BestFitMode = "crop",
+        buffer_docs: int = 1000,
+        pad_id: int | None = None,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if mode not in ("crop", "zero_discard"):
+            raise ValueError(f"mode must be 'crop' or 'zero_discard', got {mode!r}")
+        if buffer_docs < 1:
+            raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
+        self.seq_len = seq_len
+        self.row_len = seq_len + 1
+        self.bos_id = int(bos_id)
+        self.mode: BestFitMode = mode
+        self.buffer_docs = buffer_docs
+        self.pad_id = int(pad_id if pad_id is not None else bos_id)
+        # Sorted (length, seq) keys; seq = insertion number makes keys unique and ties
+        # deterministic (the most recently added of equal length is taken first).
+        self._keys: list[tuple[int, int]] = []
+        self._docs: dict[int, np.ndarray] = {}
+        self._next_seq = 0
+        self._buffered_tokens = 0
+        self._arange = np.arange(self.row_len, dtype=np.int64)
+        self.c = _Counters()
+
+    # ------------------------------------------------------------------ feeding
+    def add(self, doc_ids: Sequence[int] | np.ndarray) -> None:
+        """Buffer one tokenized document; it must start with BOS (rows are BOS-aligned)."""
+        arr = _as_doc(doc_ids)
+        if arr.size == 0:
+            raise ValueError("empty document (callers skip and count empty documents)")
+        if arr[0] != self.bos_id:
+            raise ValueError(
+                f"document does not start with BOS id {self.bos_id} (got {int(arr[0])}); "
+                "encode with add_bos=True"
+            )
+        self.c.docs_in += 1
+        self.c.tokens_in += int(arr.size)
+        self._insert(arr)
+
+    def _insert(self, arr: np.ndarray) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        self._docs[seq] = arr
+        insort(self._keys, (int(arr.size), seq))
+        self._buffered_tokens += int(arr.size)
+
+    def _take(self, idx: int) -> np.ndarray:
+        _, seq = self._keys.pop(idx)
+        arr = self._docs.pop(seq)
+        self._buffered_tokens -= int(arr.size)
+        return arr
+
+    def ready(self) -> bool:
+        """True when the buffer holds ``buffer_docs`` documents and at least a row of tokens."""
+        return len(self._keys) >= self.buffer_docs and self._buffered_tokens >= self.row_len
+
+    def has_pending(self) -> bool:
+        """Anything buffered (a finite stream flushes with ``pop_row(final=True)`` while true)."""
+        return bool(self._keys)
+
+    # ------------------------------------------------------------------ packing
+    def pop_row(self, final: bool = False) -> PackedRow:
+        """Build one row. Without ``final`` the buffer must hold a row's worth of tokens; with
+        ``final`` (end of a finite stream) a short last row is padded with ``pad_id``."""
+        tokens = np.empty(self.row_len, dtype=np.int64)
+        positions = np.empty(self.row_len, dtype=np.int64)
+        valid = self.pop_row_into(tokens, positions, final)
+        return PackedRow(tokens, positions, valid)
+
+    def pop_row_into(self, tokens: np.ndarray, positions: np.ndarray, final: bool = False) -> int:
+        """:meth:`pop_row` writing into caller-owned ``[seq_len + 1]`` arrays (e.g. rows of a
+        batch, saving two allocations per row); returns the number of valid tokens."""
+        R = self.row_len
+        if not final and self._buffered_tokens < R:
+            raise RuntimeError(
+                f"pop_row: only {self._buffered_tokens} tokens buffered, need {R} (check ready())"
+            )
+        ar = self._arange
+        filled = 0
+        keys = self._keys
+        while filled < R and keys:
+            remaining = R - filled
+            if filled == 0 and keys[-1][0] > R:
+                # An over-long document can never fit; open a fresh row with it (minimal crop).
+                doc = self._take(len(keys) - 1)
+            else:
+                i = bisect_right(keys, (remaining, _MAXSEQ)) - 1
+                # i >= 0: the largest document that fits; otherwise crop the shortest.
+                doc = self._take(i if i >= 0 else 0)
+            take = min(int(doc.size), remaining)
+            tokens[filled : filled + take] = doc[:take]
+            positions[filled : filled + take] = ar[:take]
+            filled += take
+            if take < doc.size:
+                self.c.docs_cropped += 1
+                if self.mode == "zero_discard":
+                    # The tail becomes a new document with its own BOS: nothing is dropped.
+                    tail = np.empty(doc.size - take + 1, dtype=np.int64)
+                    tail[0] = self.bos_id
+                    tail[1:] = doc[take:]
+                    self.c.bos_inserted += 1
+                    self._insert(tail)
+                else:
+                    self.c.tokens_cropped += int(doc.size - take)
+        if filled < R:
+            tokens[filled:] = self.pad_id
+            positions[filled:] = 0
+        self.c.rows += 1
+        self.c.tokens_out += filled
+        self.c.pad_tokens += R - filled
+        return filled
+
+    # ------------------------------------------------------------------ state / stats
+    def snapshot(self) -> dict[str, Any]:
+        """A cheap, immutable capture of the state (shallow copies: ~20 us for 1000 buffered
+        documents). Document arrays are never modified after insertion, so sharing them is safe;
+        :meth:`state_from_snapshot` turns it into a :meth:`state_dict` later, off the hot path."""
+        return {
+            "keys": list(self._keys),
+            "docs": dict(self._docs),
+            "next_seq": self._next_seq,
+            "counters": self.c.state(),
+        }
+
+    def state_from_snapshot(self, snap: dict[str, Any]) -> dict[str, Any]:
+        keys, docs = snap["keys"], snap["docs"]
+        lengths = np.fromiter((k[0] for k in keys), dtype=np.int64, count=len(keys))
+        seqs = np.fromiter((k[1] for k in keys), dtype=np.int64, count=len(keys))
+        flat = np.concatenate([docs[s] for _, s in keys]) if keys else np.zeros(0, dtype=np.int64)
+        return {
+            "kind": 0 if self.mode == "crop" else 1,
+            "row_len": self.row_len,
+            "next_seq": int(snap["next_seq"]),
+            "lengths": lengths,
+            "seqs": seqs,
+            "tokens": flat,
+            "counters": dict(snap["counters"]),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state_from_snapshot(self.snapshot())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        kind = 0 if self.mode == "crop" else 1
+        if int(state["kind"]) != kind or int(state["row_len"]) != self.row_len:
+            raise ValueError(
+                f"packer state is for kind={int(state['kind'])} row_len={int(state['row_len'])}, "
+                f"this packer is kind={kind} row_len={self.row_len}"
+            )
+        lengths = np.asarray(state["lengths"], dtype=np.int64)
+        seqs = np.asarray(state["seqs"], dtype=np.int64)
+        flat = np.asarray(state["tokens"], dtype=np.int64)
+        if int(lengths.sum()) != flat.size:
+            raise ValueError(
+                f"packer state: lengths sum {int(lengths.sum())} != {flat.size} tokens"
+            )
+        self._keys = [(int(n), int(s)) for n, s in zip(lengths, seqs, strict=True)]
+        self._docs = {}
+        off = 0
+        for n, s in self._keys:
+            self._docs[s] = flat[off : off + n].copy()
+            off += n
+        self._buffered_tokens = int(flat.size)
+        self._next_seq = int(state["next_seq"])
+        self.c.load(state["counters"])
+
+    def stats(self) -> dict[str, float]:
+        c = self.c
+        return {
+            **c.state(),
+            "buffered_docs": len(self._keys),
+            "buffered_tokens": self._buffered_tokens,
+            "crop_pct": _pct(c.tokens_cropped, c.tokens_in),
+            "fill_pct": _pct(c.tokens_out, c.rows * self.row_len),
+        }
+
+
+class ConcatSplitPacker:
+    """Concatenate documents (optionally each followed by ``boundary_id``) and cut windows of
+    ``seq_len + 1`` tokens. ``overlap=False`` (default) matches torchtitan's HuggingFaceTextDataset."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        boundary_id: int | None = None,
+        overlap: bool = False,
+        pad_id: int = 0,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.seq_len = seq_len
+        self.row_len = seq_len + 1
+        self.boundary_id = boundary_id
+        self.overlap = overlap
+        self.pad_id = int(pad_id)
+        # Pending document segments, in order; each restarts positions at 0.
+        self._segs: list[np.ndarray] = []
+        self._head = 0  # index of the first live segment (popping from the front is O(1))
+        self._buffered_tokens = 0
+        self._arange = np.arange(self.row_len, dtype=np.int64)
+        self.c = _Counters()
+
+    def add(self, doc_ids: Sequence[int] | np.ndarray) -> None:
+        arr = _as_doc(doc_ids)
+        if arr.size == 0 and self.boundary_id is None:
+            raise ValueError("empty document (callers skip and count empty documents)")
+        self.c.docs_in += 1
+        self.c.tokens_in += int(arr.size)
+        if self.boundary_id is not None:
+            arr = np.append(arr, np.int64(self.boundary_id))
+            self.c.boundary_tokens += 1
+        self._segs.append(arr)
+        self._buffered_tokens += int(arr.size)
+
+    def ready(self) -> bool:
+        return self._buffered_tokens >= self.row_len
+
+    def has_pending(self) -> bool:
+        # With overlap, a lone carried-over token is not new data worth a row.
+        return self._buffered_tokens > (1 if self.overlap and self.c.rows else 0)
+
+    def pop_row(self, final: bool = False) -> PackedRow:
+        tokens = np.empty(self.row_len, dtype=np.int64)
+        positions = np.empty(self.row_len, dtype=np.int64)
+        valid = self.pop_row_into(tokens, positions, final)
+        return PackedRow(tokens, positions, valid)
+
+    def pop_row_into(self, tokens: np.ndarray, positions: np.ndarray, final: bool = False) -> int:
+        R = self.row_len
+        if not final and self._buffered_tokens < R:
+            raise RuntimeError(
+                f"pop_row: only {self._buffered_tokens} tokens buffered, need {R} (check ready())"
+            )
+        filled = 0
+        split_last = False  # the row ended inside a segment (its rest is still queued)
+        while filled < R and self._head < len(self._segs):
+            seg = self._segs[self._head]
+            take = min(int(seg.size), R - filled)
+            tokens[filled : filled + take] = seg[:take]
+            positions[filled : filled + take] = self._arange[:take]
+            filled += take
+            if take == seg.size:
+                self._segs[self._head] = None  # type: ignore[call-overload]
+                self._head += 1
+            else:
+                self._segs[self._head] = seg[take:]
+                split_last = True
+            self._buffered_tokens -= take
+        if self.overlap and filled == R:
+            # Carry the last token over as the first of the next window: it was a label here and
+            # becomes an input there, so every token is a label exactly once. If its document
+            # continues, the carried token joins that piece (one position run, not two).
+            carry = tokens[-1:].copy()
+            if split_last:
+                self._segs[self._head] = np.concatenate([carry, self._segs[self._head]])
+            elif self._head > 0:
+                self._head -= 1
+                self._segs[self._head] = carry
+            else:
+                self._segs.insert(0, carry)
+            self._buffered_tokens += 1
+            self.c.tokens_carried += 1
+        if self._head > 1024 and self._head * 2 > len(self._segs):
+            self._segs = self._segs[self._head :]
+            self._head = 0
+        if filled < R:
+            tokens[filled:] = self.pad_id
+            positions[filled:] = 0
+        self.c.rows += 1
+        self.c.tokens_out += filled
+        self.c.pad_tokens += R - filled
+        return filled
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cheap immutable capture (segments are replaced, never modified in place)."""
+        return {
+            "segs": [x for x in self._segs[self._head :] if x is not None],
+            "counters": self.c.state(),
+        }
+
+    def state_from_snapshot(self, snap: dict[str, Any]) -> dict[str, Any]:
+        live = snap["segs"]
+        return {
+            "kind": 2,
+            "row_len": self.row_len,
+            "lengths": np.array([x.size for x in live], dtype=np.int64),
+            "tokens": np.concatenate(live) if live else np.zeros(0, dtype=np.int64),
+            "counters": dict(snap["counters"]),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state_from_snapshot(self.snapshot())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["kind"]) != 2 or int(state["row_len"]) != self.row_len:
+            raise ValueError(
+                f"packer state is for kind={int(state['kind'])} row_len={int(state['row_len'])}, "
+                f"this packer is kind=2 row_len={self.row_len}"
+            )
+        lengths = np.asarray(state["lengths"], dtype=np.int64)
+        flat = np.asarray(state["tokens"], dtype=np.int64)
+        if int(lengths.sum()) != flat.size:
+            raise ValueError(
+                f"packer state: lengths sum {int(lengths.sum())} != {flat.size} tokens"
+            )
+        self._segs = []
+        off = 0
+        for n in lengths:
+            self._segs.append(flat[off : off + int(n)].copy())
+            off += int(n)
+        self._head = 0
+        self._buffered_tokens = int(flat.size)
+        self.c.load(state["counters"])
+
+    def stats(self) -> dict[str, float]:
+        c = self.c
+        return {
+            **c.state(),
+            "buffered_docs": len(self._segs) - self._head,
+            "buffered_tokens": self._buffered_tokens,
+            "crop_pct": _pct(c.tokens_cropped, c.tokens_in),
+            "fill_pct": _pct(c.tokens_out, c.rows * self.row_len),
+        }
+
+
+PackingMode = Literal["best_fit", "zero_discard", "concat_split"]
+PACKING_MODES: tuple[str, ...] = ("best_fit", "zero_discard", "concat_split")
+
+
+def make_packer(
+    mode: str,
+    seq_len: int,
+    bos_id: int | None,
+    *,
+    buffer_docs: int = 1000,
+    pad_id: int | None = None,
+    boundary_id: int | None = None,
+    overlap: bool = False,
+) -> BestFitPacker | ConcatSplitPacker:
+    """Build a packer from a config string: ``best_fit`` | ``zero_discard`` | ``concat_split``."""
+    if mode in ("best_fit", "zero_discard"):
+        if bos_id is None:
+            raise ValueError(f"packing={mode!r} needs a tokenizer with a BOS token")
+        return BestFitPacker(
+            seq_len,
+            bos_id,
+            mode="crop" if mode == "best_fit" else "zero_discard",
+            buffer_docs=buffer_docs,
+            pad_id=pad_id,
+        )
+    if mode == "concat_split":
+        return ConcatSplitPacker(
+            seq_len,
+            boundary_id=boundary_id,
+            overlap=overlap,
+            pad_id=pad_id if pad_id is not None else (bos_id or 0),
+        )
+    raise ValueError(f"packing must be one of {PACKING_MODES}, got {mode!r}")
