@@ -575,8 +575,19 @@ def resolve_paths(cfg: ExtTrainer.Config) -> None:
             ld.dataset_path = str(embedded())
 
 
+def check_consistency(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
+    """Cross-section rules no single field can express."""
+    if getattr(cfg.dataloader, "normalize_on", None) == "device" and not cfg.staging.enable:
+        raise ConfigError(
+            f"{file}: [dataloader] normalize_on = 'device' needs [staging] enable = true (the "
+            "staging wrapper normalises the uint8 pixels after the copy; without it the model "
+            "would receive uint8 pixel_values). Use normalize_on = 'collate' without staging."
+        )
+
+
 def finalize(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
     apply_sections(cfg, file)
+    check_consistency(cfg, file)
     resolve_paths(cfg)
 
 

@@ -1,0 +1,413 @@
+"""Packed VL cache: packing invariants, content vs direct processing, skips, verify, lock, resume
+after SIGKILL (byte-identical), 2 ranks == 1 rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchtitan_ext.vl import cache as C
+from torchtitan_ext.vl import processor as P
+from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
+from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 1024
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Private asset cache (offline processor) + a small dataset with all the bad rows."""
+    root = tmp_path_factory.mktemp("vlcache")
+    old = os.environ.get("TORCHTITAN_EXT_CACHE")
+    os.environ["TORCHTITAN_EXT_CACHE"] = str(root / "assets")
+    ds = make_sample_dataset(root / "ds", n=40, bad_rows=True)
+    yield {"root": root, "ds": ds}
+    if old is None:
+        os.environ.pop("TORCHTITAN_EXT_CACHE", None)
+    else:
+        os.environ["TORCHTITAN_EXT_CACHE"] = old
+
+
+def _build(env, cache_dir, **kw):
+    args = dict(
+        dataset=env["ds"],
+        split="train",
+        cache_dir=cache_dir,
+        seq_len=SEQ,
+        buffer_size=8,
+        rows_per_shard=16,
+        num_workers=0,
+        show_progress=False,
+        buckets=[512, 768],
+    )
+    args.update(kw)
+    return C.build_cache(**args)
+
+
+@pytest.fixture(scope="module")
+def built(env):
+    return _build(env, env["root"] / "c1")
+
+
+def _content_files(kdir: Path) -> dict[str, bytes]:
+    meta = json.loads((kdir / "metadata.json").read_text())
+    out = {rel: (kdir / rel).read_bytes() for rel in meta["files"]}
+    out["metadata.json"] = (kdir / "metadata.json").read_bytes()
+    return out
+
+
+# ---------------------------------------------------------------- packing
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 100), max_size=60), st.integers(1, 20))
+def test_best_fit_invariants(lengths, buf):
+    packs = list(best_fit_packs(lengths, 100, buf))
+    flat = sorted(i for p in packs for i in p)
+    assert flat == list(range(len(lengths)))  # every sample exactly once
+    assert all(sum(lengths[i] for i in p) <= 100 for p in packs)
+    assert packs == list(best_fit_packs(lengths, 100, buf))  # deterministic
+    # best fit never leaves a buffered sample out that would still fit (buffer of everything)
+    if buf >= len(lengths) and packs:
+        first = packs[0]
+        rest = set(range(len(lengths))) - set(first)
+        space = 100 - sum(lengths[i] for i in first)
+        assert all(lengths[i] > space for i in rest)
+
+
+def test_packing_rejects_overlong_and_buckets():
+    with pytest.raises(ValueError, match="length 11"):
+        list(best_fit_packs([3, 11], 10, 4))
+    b = normalize_buckets(1024, [512, 256, 512])
+    assert b == [256, 512, 1024]
+    assert bucket_length(1, b) == 256 and bucket_length(257, b) == 512
+    assert bucket_length(1024, b) == 1024
+    with pytest.raises(ValueError):
+        normalize_buckets(512, [1024])
+
+
+# ---------------------------------------------------------------- content
+
+
+def test_pack_content_matches_direct_processing(env, built):
+    cache = C.VLCache.open(built)
+    proc = P.load_processor(None)
+    src = C.open_source(env["ds"], "train")
+    ids = cache.special_tokens
+    assert ids == P.special_token_ids(proc)
+    n_samples = 0
+    for i in range(len(cache)):
+        p = cache.pack(i)
+        L = cache.pack_shape(i)
+        assert L in (512, 768, 1024)
+        assert p["input_ids"].shape == (L,) and p["labels"].shape == (L,)
+        assert p["position_ids"].shape == (4, L)
+        assert int(p["seq_lens"].sum()) == int(p["num_tokens"]) <= L
+        n = int(p["num_tokens"])
+        assert (p["input_ids"][n:] == ids["pad_id"]).all() and (p["labels"][n:] == -100).all()
+        assert (p["position_ids"][:, n:] == 0).all()
+        # every sample equals the unpacked processing of its input row
+        a = pix = img = 0
+        for row, ln in zip(cache.pack_rows(i), p["seq_lens"].tolist(), strict=True):
+            r = src.read(row, row + 1)[0]
+            s = P.process_sample(proc, P.decode_image(r["image"]), r["question"], r["answer"])
+            assert torch.equal(p["input_ids"][a : a + ln], s.input_ids)
+            exp_lab = s.labels.clone()
+            exp_lab[0] = -100
+            assert torch.equal(p["labels"][a : a + ln], exp_lab)
+            assert torch.equal(p["position_ids"][:, a : a + ln], s.position_ids)
+            k = s.pixel_u8.shape[0]
+            assert torch.equal(p["pixel_u8"][pix : pix + k], s.pixel_u8)
+            g = s.image_grid_thw.shape[0]
+            assert torch.equal(p["image_grid_thw"][img : img + g], s.image_grid_thw)
+            a, pix, img = a + ln, pix + k, img + g
+            n_samples += 1
+        assert pix == p["pixel_u8"].shape[0] and p["pixel_u8"].dtype == torch.uint8
+    assert n_samples == cache.metadata["counts"]["samples"]
+
+
+def test_counts_reconcile_and_skip_reasons(env, built):
+    stats = json.loads((built / "packing_stats.json").read_text())
+    meta = json.loads((built / "metadata.json").read_text())
+    assert stats["rows_read"] == 49 == stats["samples_packed"] + stats["skipped_total"]
+    expected: dict[str, int] = {}
+    for reason in BAD_ROW_REASONS.values():
+        if reason:
+            expected[reason] = expected.get(reason, 0) + 1
+    assert stats["skipped"] == expected
+    assert meta["counts"]["packs"] == stats["packs"] == len(C.VLCache.open(built))
+    assert set(meta["versions"]) >= {"torch", "transformers", "tensordict"}
+    for f in meta["files"].values():
+        assert f["size"] >= 0 and len(f["sha256"]) == 64
+    # no pickle anywhere: every file is JSON or a raw memmap
+    for p in built.rglob("*"):
+        if p.is_file():
+            assert p.suffix in (".json", ".memmap") or p.name == ".manifest.lock", p
+
+
+def test_strict_names_the_row(env):
+    with pytest.raises(ValueError, match=r"row 3: corrupt_image"):
+        _build(env, env["root"] / "strict", strict=True)
+
+
+def test_key_find_and_force(env, built):
+    assert (
+        C.find_cache(
+            env["ds"], "train", env["root"] / "c1", SEQ, 8, buckets=[512, 768], rows_per_shard=16
+        )
+        == built
+    )
+    assert (
+        C.find_cache(
+            env["ds"], "train", env["root"] / "c1", SEQ, 8, buckets=None, rows_per_shard=16
+        )
+        is None
+    )  # other buckets -> other key
+    assert (
+        C.find_cache(
+            env["ds"], "train", env["root"] / "c1", 2048, 8, buckets=[512, 768], rows_per_shard=16
+        )
+        is None
+    )
+    # reuse: a second build returns at once without touching files
+    before = (built / "metadata.json").stat().st_mtime_ns
+    assert _build(env, env["root"] / "c1") == built
+    assert (built / "metadata.json").stat().st_mtime_ns == before
+
+
+def test_force_rebuilds_identically(env, tmp_path):
+    k = _build(env, tmp_path, max_samples=20)
+    first = _content_files(k)
+    m0 = (k / "shards" / "00000" / "tokens.memmap").stat().st_mtime_ns
+    time.sleep(0.01)
+    assert _build(env, tmp_path, max_samples=20, force=True) == k
+    assert (k / "shards" / "00000" / "tokens.memmap").stat().st_mtime_ns != m0
+    assert _content_files(k) == first
+
+
+def test_verify_names_corrupt_file(env, tmp_path):
+    k = _build(env, tmp_path, max_samples=20)
+    cache = C.VLCache.open(k)
+    assert cache.verify() == []
+    pix = k / "shards" / "00000" / "pixels.memmap"
+    data = bytearray(pix.read_bytes())
+    data[100] ^= 0xFF
+    pix.write_bytes(bytes(data))
+    probs = C.VLCache.open(k).verify()
+    assert len(probs) == 1 and "shards/00000/pixels.memmap" in probs[0] and "sha256" in probs[0]
+    tok = k / "shards" / "00001" / "tokens.memmap"
+    tok.write_bytes(tok.read_bytes()[:-4])
+    probs = C.VLCache.open(k).verify()
+    assert any("shards/00001/tokens.memmap" in p and "size" in p for p in probs)
+
+
+def test_lock_keeps_second_writer_off(env, tmp_path):
+    src, _, key = C._resolve(
+        C.BuildConfig(
+            dataset=str(env["ds"]),
+            seq_len=SEQ,
+            buffer_size=8,
+            buckets=[512, 768, 1024],
+            max_samples=20,
+            rows_per_shard=16,
+        )
+    )
+    name = C.key_dir_name(
+        C.BuildConfig(dataset=str(env["ds"]), seq_len=SEQ, buffer_size=8), src.name, key
+    )
+    lock = tmp_path / f".{name}.rank0of1.lock"
+    with C._flock(lock, False, "test"), pytest.raises(C.CacheLockedError, match="lock"):
+        _build(env, tmp_path, max_samples=20)
+    _build(env, tmp_path, max_samples=20)  # released: builds
+
+
+def test_two_ranks_equal_one_rank(env, tmp_path, built):
+    errors = []
+
+    def run(rank):
+        try:
+            _build(env, tmp_path, rank=rank, world_size=2, wait_timeout=120)
+        except Exception as e:  # re-raised in the main thread below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    k2 = tmp_path / built.name
+    assert _content_files(k2) == _content_files(built)
+
+
+@pytest.mark.integration
+def test_sigkill_resume_is_byte_identical(env, tmp_path):
+    """Kill a CLI build with SIGKILL mid-way, restart with the same args: same bytes as a clean
+    build, and the shards completed before the kill are not rebuilt."""
+    args = [
+        sys.executable,
+        "-m",
+        "torchtitan_ext.vl.preprocess",
+        "--dataset",
+        str(env["ds"]),
+        "--seq-len",
+        str(SEQ),
+        "--buffer-size",
+        "8",
+        "--rows-per-shard",
+        "2",
+        "--num-workers",
+        "0",
+        "--quiet",
+        "--buckets",
+        "512,768",
+    ]
+    killed = tmp_path / "killed"
+    e = dict(os.environ)
+    proc = subprocess.Popen(
+        args + ["--cache-dir", str(killed)],
+        env=e,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 120
+    shards_dir = None
+    while time.monotonic() < deadline:
+        found = list(killed.glob("*/shards/00002"))
+        if found:
+            shards_dir = found[0].parent
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"build ended before it could be killed: {proc.stderr.read().decode()}")
+        time.sleep(0.02)
+    assert shards_dir is not None, "no shard appeared in time"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kdir = shards_dir.parent
+    assert not (kdir / "metadata.json").exists()
+    done_before = sorted(p.name for p in shards_dir.iterdir() if not p.name.startswith("."))
+    assert 3 <= len(done_before) < 25
+    inode = {n: (shards_dir / n / "tokens.memmap").stat().st_ino for n in done_before}
+    r = subprocess.run(
+        args + ["--cache-dir", str(killed)], env=e, cwd=REPO, capture_output=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert {n: (shards_dir / n / "tokens.memmap").stat().st_ino for n in done_before} == inode
+    assert not [p for p in shards_dir.iterdir() if p.name.startswith(".tmp")]
+    clean = C.build_cache(
+        dataset=env["ds"],
+        split="train",
+        cache_dir=tmp_path / "clean",
+        seq_len=SEQ,
+        buffer_size=8,
+        rows_per_shard=2,
+        num_workers=0,
+        show_progress=False,
+        buckets=[512, 768],
+    )
+    assert clean.name == kdir.name
+    assert _content_files(kdir) == _content_files(clean)
+
+
+def test_open_reads_index_only(env, built, monkeypatch):
+    """Opening never reads pixel or token data: corrupting those files does not affect open()."""
+    cache = C.VLCache.open(built)
+    assert len(cache) > 0
+    read_paths = []
+    real_open = open
+
+    def spy(path, *a, **k):
+        read_paths.append(str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", spy)
+    C.VLCache.open(built)
+    assert not [p for p in read_paths if p.endswith((".memmap",))]
+
+
+def test_multiprocess_workers_same_bytes(env, tmp_path, built):
+    k = _build(env, tmp_path, num_workers=2)
+    assert _content_files(k) == _content_files(built)
+
+
+def test_position_ids_padding_and_first_label(built):
+    cache = C.VLCache.open(built)
+    p = cache.pack(0)
+    starts = np.concatenate(([0], np.cumsum(p["seq_lens"].numpy())[:-1]))
+    assert (p["labels"][starts] == -100).all()
+    assert (p["position_ids"][:, starts] == 0).all()  # restart at 0 per sample
+
+
+def test_rank_world_from_env(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert C._dist_env(None, None) == (1, 3)
+    assert C._dist_env(0, 1) == (0, 1)  # explicit arguments win
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ValueError, match="RANK"):
+        C._dist_env(None, None)
+
+
+def test_local_split_selection(env, tmp_path):
+    assert C.open_source(env["ds"], "train").num_rows == 49
+    with pytest.raises(FileNotFoundError, match=r"split 'validation' \(splits here: \['train'\]\)"):
+        C.open_source(env["ds"], "validation")
+    glob_src = C.open_source(str(env["ds"] / "*.parquet"), "anything")  # a glob: used as given
+    assert glob_src.num_rows == 49
+    with pytest.raises(FileNotFoundError, match="no such local path"):
+        C.open_source(str(tmp_path / "missing"), "train")
+
+
+@pytest.mark.integration
+def test_two_ranks_via_env_cli(env, tmp_path, built, monkeypatch):
+    """RANK/WORLD_SIZE from the environment, as torchrun sets them: rank 1 is a CLI subprocess,
+    rank 0 runs here; the finished cache equals the single-process one byte for byte."""
+    cli = [
+        sys.executable,
+        "-m",
+        "torchtitan_ext.vl.preprocess",
+        "--dataset",
+        str(env["ds"]),
+        "--seq-len",
+        str(SEQ),
+        "--buffer-size",
+        "8",
+        "--rows-per-shard",
+        "16",
+        "--num-workers",
+        "0",
+        "--quiet",
+        "--buckets",
+        "512,768",
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    p1 = subprocess.Popen(
+        cli,
+        env=dict(os.environ, RANK="1", WORLD_SIZE="2"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    k = _build(env, tmp_path, wait_timeout=180)
+    out, err = p1.communicate(timeout=180)
+    assert p1.returncode == 0, err.decode()
+    assert str(k) in out.decode()
+    assert _content_files(k) == _content_files(built)

@@ -1,0 +1,362 @@
+"""The torchtitan-facing VL loader: cache resolution (use / build / force / online fallback),
+batch formats and bucket shapes, exact resume with workers, elastic resume through DCP, the
+online fallback's own resume, and the TOML configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_ext.loaders.vl import CachedVLDataLoader, OnlinePreprocessingWarning
+from torchtitan_ext.vl.collate import finish_on_device
+from torchtitan_ext.vl.dataset import epoch_permutation
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 1024
+BUCKETS = [512, 768]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("vl_loader")
+    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
+    from torchtitan_ext.vl.cache import build_cache
+    from torchtitan_ext.vl.sample_data import sample_dataset_path
+
+    data = sample_dataset_path(n=48, root=root / "data")
+    cache_dir = root / "cache"
+    path = build_cache(
+        data, "train", cache_dir, seq_len=SEQ, buffer_size=8, buckets=BUCKETS, show_progress=False
+    )
+    yield {"root": root, "data": data, "cache_dir": cache_dir, "path": path}
+    mp.undo()
+
+
+def make(env, dp_rank=0, dp_world_size=1, batch=2, **cfg):
+    base = dict(
+        dataset_path=str(env["data"]),
+        cache_dir=str(env["cache_dir"]),
+        buffer_size=8,
+        buckets=BUCKETS,
+    )
+    base.update(cfg)
+    return CachedVLDataLoader.Config(**base).build(
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        tokenizer=None,
+        seq_len=SEQ,
+        local_batch_size=batch,
+        snapshot_every_n_steps=1,
+    )
+
+
+def plain(x) -> bool:
+    """Only ints / strings / lists / dicts of those (no pickled bytes, no objects)."""
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in x.items())
+    if isinstance(x, list):
+        return all(plain(v) for v in x)
+    return isinstance(x, (int, str)) and not isinstance(x, bool)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def test_uses_existing_cache_and_torchtitan_format(env):
+    dl = make(env, infinite=False)
+    assert dl.source == "cache" and dl.cache_path == env["path"]
+    batches = list(dl)
+    assert batches, "an epoch has batches"
+    shapes = set()
+    for inp, labels in batches:
+        assert set(inp) >= {"input", "positions", "mrope_positions", "pixel_values", "grid_thw"}
+        assert inp["special_tokens"]["image_id"] == dl.special_tokens["image_pad_id"]
+        b, length = inp["input"].shape
+        shapes.add((b, length))
+        assert labels.shape == (b, length) and inp["positions"].shape == (b, length)
+        assert inp["mrope_positions"].shape == (b, length, 3)
+        assert inp["pixel_values"].dtype == torch.float32 and inp["pixel_values"].shape[-1] == 1536
+        assert inp["pixel_values"].shape[0] == inp["grid_thw"].shape[0]
+    # Every batch has one of the configured bucket shapes (batch dim: 2, or 1 for an odd tail).
+    lengths = {length for _, length in shapes}
+    assert lengths <= set(BUCKETS + [SEQ]), shapes
+    assert len(lengths) <= 3
+    assert {b for b, _ in shapes} <= {1, 2}
+    stats = dl.get_stats()
+    assert stats["packs"] == len(dl.dataset.cache)  # DP=1: the whole epoch, every pack once
+    assert stats["online"] == 0.0 and stats["batches"] == len(batches)
+
+
+def test_counts_distinct_shapes_over_an_epoch(env):
+    dl = make(env, infinite=False, batch=1, batch_format="hf")
+    shapes = [tuple(b["input_ids"].shape) for b in dl]
+    cache = dl.dataset.cache
+    assert len(shapes) == len(cache)  # batch 1, DP 1: every pack once
+    expected = {(1, cache.pack_shape(i)) for i in range(len(cache))}
+    assert set(shapes) == expected and len(set(shapes)) <= len(BUCKETS) + 1
+
+
+def test_hf_format_and_device_normalisation(env):
+    a = next(iter(make(env, batch_format="hf", normalize_on="collate")))
+    b = next(iter(make(env, batch_format="hf", normalize_on="device")))
+    assert b["pixel_values"].dtype == torch.uint8 and b["pixel_values"].shape[-1] == 768
+    assert a["position_ids"].shape[0] == 4 and a["use_cache"] is False
+    assert same(finish_on_device(b), a)
+    c = next(iter(make(env, normalize_on="device")))
+    d = next(iter(make(env, normalize_on="collate")))
+    assert same(finish_on_device(c), d)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_bitwise_with_workers(env, num_workers):
+    k, total = 3, 8
+    full = list(itertools.islice(iter(make(env, num_workers=num_workers)), total))
+    dl = make(env, num_workers=num_workers)
+    it = iter(dl)
+    for _ in range(k):
+        next(it)
+    state = dl.state_dict()
+    assert plain(state), state
+    dl2 = make(env, num_workers=num_workers)
+    dl2.load_state_dict(state)
+    rest = list(itertools.islice(iter(dl2), total - k))
+    assert all(same(x, y) for x, y in zip(full[k:], rest, strict=True))
+    # the worker count does not change the data either
+    other = list(itertools.islice(iter(make(env, num_workers=2 - num_workers)), total))
+    assert all(same(x, y) for x, y in zip(full, other, strict=True))
+
+
+def _pack_ids(dl, steps):
+    """Cache pack indices of the next `steps` batches (identified by their token rows)."""
+    cache = dl.dataset.cache
+    by_tokens = {tuple(cache.pack(i)["input_ids"].tolist()): i for i in range(len(cache))}
+    out = []
+    for inp, _ in itertools.islice(iter(dl), steps):
+        for row in inp["input"]:
+            length = int(row.numel())
+            # a batch pads to its longest pack: strip the extra padding to find the pack
+            for key, idx in by_tokens.items():
+                if len(key) <= length and tuple(row[: len(key)].tolist()) == key:
+                    if all(t == dl.collate.pad_id for t in row[len(key) :].tolist()):
+                        out.append(idx)
+                        break
+    return out
+
+
+def test_elastic_resume_through_dcp(env, tmp_path):
+    """DP=2 -> DP=1 and DP=1 -> DP=2 through torch.distributed.checkpoint, no repeat/skip."""
+    import torch.distributed.checkpoint as dcp
+
+    n = len(make(env).dataset.cache)
+    # DP=2 for 2 steps of 1 pack, then save (every rank writes the same global state).
+    r0, r1 = make(env, 0, 2, batch=1), make(env, 1, 2, batch=1)
+    seen = _pack_ids(r0, 2) + _pack_ids(r1, 2)
+    dcp.save({"dataloader": r0}, checkpoint_id=str(tmp_path / "ck2"))
+    # ... resume at DP=1 and read the rest of the epoch.
+    one = make(env, 0, 1, batch=1)
+    dcp.load({"dataloader": one}, checkpoint_id=str(tmp_path / "ck2"))
+    assert one.state_dict()["global"]["cursor"] == 4
+    rest = n - 4
+    seen += _pack_ids(one, rest)
+    assert sorted(seen) == list(range(n)), "DP=2 -> DP=1: every pack exactly once in the epoch"
+    # DP=1 -> DP=2: save after 3 packs at DP=1 and resume both ranks of DP=2.
+    one = make(env, 0, 1, batch=1)
+    seen = _pack_ids(one, 3)
+    dcp.save({"dataloader": one}, checkpoint_id=str(tmp_path / "ck1"))
+    ranks = [make(env, r, 2, batch=1) for r in range(2)]
+    for r in ranks:
+        dcp.load({"dataloader": r}, checkpoint_id=str(tmp_path / "ck1"))
+    per_rank = (n - 3) // 2
+    for r in ranks:
+        seen += _pack_ids(r, per_rank)
+    assert len(seen) == len(set(seen)) == 3 + 2 * per_rank
+    assert n - len(seen) < 2
+
+
+def test_online_fallback_warns_and_matches_format(env, tmp_path):
+    with pytest.warns(OnlinePreprocessingWarning, match="slow"):
+        dl = make(env, cache_dir=str(tmp_path / "none"), max_samples=20, num_workers=2)
+    assert dl.source == "online" and dl.num_workers == 0
+    inp, labels = next(iter(dl))
+    assert inp["input"].shape[1] in BUCKETS + [SEQ]
+    assert set(inp) == set(next(iter(make(env)))[0])
+    assert dl.get_stats()["online"] == 1.0
+
+
+def test_online_resume_exact_and_equal_steps(env):
+    from torchtitan_ext.vl.online import OnlineVLDataset
+
+    def ds(rank=0, world=1):
+        return OnlineVLDataset(
+            env["data"],
+            "train",
+            seq_len=SEQ,
+            buffer_size=4,
+            buckets=BUCKETS,
+            max_samples=24,
+            dp_rank=rank,
+            dp_world_size=world,
+            seed=1,
+            infinite=False,
+        )
+
+    full = [p["input_ids"] for p in ds()]
+    a = ds()
+    it = iter(a)
+    head = [next(it)["input_ids"] for _ in range(2)]
+    state = a.state_dict()
+    assert plain(state)
+    b = ds()
+    b.load_state_dict(state)
+    tail = [p["input_ids"] for p in b]
+    assert len(head + tail) == len(full)
+    assert all(torch.equal(x, y) for x, y in zip(head + tail, full, strict=True))
+    counts = [len(list(ds(r, 2))) for r in range(2)]
+    assert counts[0] == counts[1] == len(full) // 2
+
+
+def test_build_if_missing_and_force(env, tmp_path, monkeypatch):
+    import torchtitan_ext.vl.cache as cache_mod
+
+    calls = []
+    real = cache_mod.build_cache
+
+    def spy(*a, **kw):
+        calls.append(kw.get("force"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cache_mod, "build_cache", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OnlinePreprocessingWarning)
+        dl = make(env, cache_dir=str(tmp_path / "c"), max_samples=12, build_if_missing=True)
+    assert dl.source == "cache" and calls == [False]
+    again = make(env, cache_dir=str(tmp_path / "c"), max_samples=12, build_if_missing=True)
+    assert calls == [False], "an existing cache is reused, not rebuilt"
+    assert again.cache_path == dl.cache_path
+    make(env, cache_dir=str(tmp_path / "c"), max_samples=12, force_preprocess=True)
+    assert calls == [False, True]
+    with pytest.warns(OnlinePreprocessingWarning):
+        off = make(env, cache_dir=str(tmp_path / "c"), max_samples=12, use_preprocessed_cache=False)
+    assert off.source == "online"
+
+
+def test_bad_config_values_are_named(env):
+    with pytest.raises(ValueError, match="batch_format"):
+        make(env, batch_format="jax")
+    with pytest.raises(ValueError, match="normalize_on"):
+        make(env, normalize_on="gpu")
+    with pytest.raises(FileNotFoundError, match="cache_path"):
+        make(env, cache_path=str(env["root"]))
+    with pytest.raises(ValueError, match="dataloader.dataset is required"):
+        make(env, dataset_path=None)
+
+
+def test_config_fields_documented_and_validator_replace():
+    cfg = CachedVLDataLoader.Config()
+    names = {f.name for f in dataclasses.fields(cfg)}
+    assert {"infinite", "cache_dir", "use_preprocessed_cache", "force_preprocess"} <= names
+    assert dataclasses.replace(cfg, infinite=False).infinite is False
+    src = (REPO / "torchtitan_ext" / "loaders" / "vl.py").read_text()
+    for name in names - {"dataset_path"} | {"dataset_path"}:
+        assert f"        {name}:" in src, f"field {name} is declared (with a docstring) in vl.py"
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_tiny_cpu.toml", "qwen3_vl_real.toml"])
+def test_toml_configs_parse(name):
+    import tomllib
+
+    table = tomllib.loads((REPO / "train_configs" / name).read_text())
+    dl = dict(table["dataloader"])
+    assert dl.pop("name") == "cached_vl"
+    cfg = CachedVLDataLoader.Config(**dl)  # every key is a field of our Config
+    assert cfg.batch_format in ("hf", "torchtitan")
+
+
+def test_tiny_toml_builds_the_loader(env, tmp_path):
+    import tomllib
+
+    table = tomllib.loads((REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml").read_text())
+    dl = dict(table["dataloader"])
+    dl.pop("name")
+    dl.update(cache_dir=str(tmp_path / "c"), dataset="sample", max_samples=16)
+    loader = CachedVLDataLoader.Config(**dl).build(
+        dp_rank=0,
+        dp_world_size=1,
+        tokenizer=None,
+        seq_len=table["training"]["seq_len"],
+        local_batch_size=table["training"]["local_batch_size"],
+    )
+    batch = next(iter(loader))
+    assert batch["input_ids"].shape[1] in [*dl["buckets"], table["training"]["seq_len"]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_finite_pass_moves_state_to_next_epoch(env, num_workers):
+    dl = make(env, infinite=False, num_workers=num_workers, batch=2)
+    first = [inp["input"] for inp, _ in dl]
+    st = dl.state_dict()["global"]
+    assert (st["epoch"], st["cursor"]) == (1, 0)
+    second = [inp["input"] for inp, _ in dl]
+    cache = dl.dataset.cache
+    n = len(cache)
+    by_tokens = {tuple(cache.pack(i)["input_ids"].tolist()): i for i in range(n)}
+
+    def ids(batches):
+        out = []
+        for b in batches:
+            for row in b:
+                r = row.tolist()
+                out += [
+                    i
+                    for key, i in by_tokens.items()
+                    if tuple(r[: len(key)]) == key
+                    and all(t == dl.collate.pad_id for t in r[len(key) :])
+                ][:1]
+        return out
+
+    assert ids(first) == epoch_permutation(n, 0, 0, True).tolist()
+    assert ids(second) == epoch_permutation(n, 0, 1, True).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
+def test_async_device_loader_finishes_device_batches(env, fmt):
+    """AsyncDeviceLoader with the loader's finisher == CPU normalisation, bit for bit."""
+    staging = pytest.importorskip("torchtitan_ext.device.staging")
+    dev = make(env, batch_format=fmt, normalize_on="device")
+    wrapped = staging.AsyncDeviceLoader(dev, "cpu", device_transform=dev.finish_on_device)
+    it = iter(wrapped)  # once: a second iter() starts a new pass (prefetched batches dropped)
+    got = [next(it) for _ in range(3)]
+    ref = list(itertools.islice(iter(make(env, batch_format=fmt, normalize_on="collate")), 3))
+    assert all(same(a, b) for a, b in zip(got, ref, strict=True))
+    if hasattr(wrapped, "close"):
+        wrapped.close()
+
+
+def test_online_counts_skips_that_reconcile(env, tmp_path):
+    """Bad rows are skipped with the builder's reasons; packed + skipped = rows read."""
+    from torchtitan_ext.vl.online import OnlineVLDataset
+    from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, sample_dataset_path
+
+    data = sample_dataset_path(n=12, bad_rows=True, root=tmp_path)
+    ds = OnlineVLDataset(
+        data, "train", seq_len=SEQ, buffer_size=4, buckets=BUCKETS, infinite=False, shuffle=False
+    )
+    packs = list(ds)
+    samples = sum(len(p["seq_lens"]) for p in packs)
+    skipped = sum(ds.skips.values())
+    assert samples == ds.rows_ok and ds.rows_ok + skipped == ds.num_rows
+    expected = {r for r in BAD_ROW_REASONS.values() if r is not None}
+    assert set(ds.skips) <= expected and skipped >= 1

@@ -1,0 +1,207 @@
+"""CLIs: preprocess-cached, inspect-cache (--json, --verify, --render); sample data; benchmark smoke."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from torchtitan_ext.vl import inspect as I
+from torchtitan_ext.vl import preprocess as PP
+from torchtitan_ext.vl.sample_data import make_sample_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlcli")
+    old = os.environ.get("TORCHTITAN_EXT_CACHE")
+    os.environ["TORCHTITAN_EXT_CACHE"] = str(root / "assets")
+    ds = make_sample_dataset(root / "ds", n=24, bad_rows=True)
+    yield {"root": root, "ds": ds}
+    if old is None:
+        os.environ.pop("TORCHTITAN_EXT_CACHE", None)
+    else:
+        os.environ["TORCHTITAN_EXT_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def built(env):
+    rc = PP.main(
+        [
+            "--dataset",
+            str(env["ds"]),
+            "--cache-dir",
+            str(env["root"] / "c"),
+            "--seq-len",
+            "1024",
+            "--buffer-size",
+            "8",
+            "--num-workers",
+            "0",
+            "--quiet",
+            "--buckets",
+            "512,768",
+            "--rows-per-shard",
+            "16",
+        ]
+    )
+    assert rc == 0
+    (kdir,) = [p for p in (env["root"] / "c").iterdir() if p.is_dir()]
+    return kdir
+
+
+def test_sample_dataset_loads_with_hf_datasets(env):
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=str(env["ds"] / "*.parquet"), split="train")
+    assert len(ds) == 24 + 9
+    assert set(ds.column_names) >= {"image", "question", "answer"}
+    first = ds[0]
+    assert isinstance(first["image"], Image.Image) and first["answer"]
+
+
+def test_sample_dataset_is_deterministic(tmp_path):
+    a = make_sample_dataset(tmp_path / "a", n=10, bad_rows=True)
+    b = make_sample_dataset(tmp_path / "b", n=10, bad_rows=True)
+    import pyarrow.parquet as pq
+
+    ta = pq.read_table(next(a.glob("*.parquet")))
+    tb = pq.read_table(next(b.glob("*.parquet")))
+    assert ta.equals(tb)
+
+
+def test_preprocess_cli_output_and_reuse(env, built, capsys):
+    rc = PP.main(
+        [
+            "--dataset",
+            str(env["ds"]),
+            "--cache-dir",
+            str(env["root"] / "c"),
+            "--seq-len",
+            "1024",
+            "--buffer-size",
+            "8",
+            "--num-workers",
+            "0",
+            "--quiet",
+            "--buckets",
+            "512,768",
+            "--rows-per-shard",
+            "16",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and str(built) in out and "skipped" in out
+
+
+def test_preprocess_cli_strict_and_missing_dataset(env, capsys):
+    rc = PP.main(
+        [
+            "--dataset",
+            str(env["ds"]),
+            "--cache-dir",
+            str(env["root"] / "strict"),
+            "--seq-len",
+            "1024",
+            "--num-workers",
+            "0",
+            "--quiet",
+            "--strict",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "row 3" in err and "corrupt_image" in err
+    rc = PP.main(
+        ["--dataset", str(env["root"] / "nope"), "--cache-dir", str(env["root"] / "x"), "--quiet"]
+    )
+    assert rc == 2 and "nope" in capsys.readouterr().err
+
+
+def test_inspect_table_and_json(built, capsys):
+    assert I.main(["--cache-dir", str(built)]) == 0
+    out = capsys.readouterr().out
+    for word in (
+        "packs",
+        "samples per pack",
+        "fill %",
+        "images",
+        "patches",
+        "bytes per pack",
+        "ratio vs float32",
+    ):
+        assert word in out
+    assert I.main(["--cache-dir", str(built.parent), "--json"]) == 0  # parent with one cache
+    s = json.loads(capsys.readouterr().out)
+    assert s["packs"] > 0 and s["rows_read"] == s["samples"] + sum(s["skipped"].values())
+    assert 0 < s["ratio_vs_float32"] <= 0.125
+
+
+def test_inspect_verify_names_corrupt_file(env, tmp_path, capsys):
+    import shutil
+
+    k = tmp_path / "copy"
+    shutil.copytree(env["root"] / "c", k)
+    (kdir,) = [p for p in k.iterdir() if p.is_dir()]
+    assert I.main(["--cache-dir", str(kdir), "--verify"]) == 0
+    assert "verify: OK" in capsys.readouterr().out
+    f = kdir / "shards" / "00001" / "label_mask.memmap"
+    b = bytearray(f.read_bytes())
+    b[0] ^= 1
+    f.write_bytes(bytes(b))
+    assert I.main(["--cache-dir", str(kdir), "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert "shards/00001/label_mask.memmap" in err and "sha256 mismatch" in err
+
+
+def test_inspect_render_png(built, tmp_path, capsys):
+    out = tmp_path / "pack.png"
+    assert I.main(["--cache-dir", str(built), "--render", "0", str(out)]) == 0
+    im = Image.open(out)
+    assert im.width == 1200 and im.height > 200
+    # the strip uses the palette: target (green) and image (orange) pixels are present
+    colors = {c for _, c in im.convert("RGB").getcolors(1 << 20)}
+    assert (46, 160, 67) in colors and (240, 140, 30) in colors
+
+
+def test_scripts_run_as_files(built, tmp_path):
+    for script, args in (
+        ("scripts/inspect_cache.py", ["--cache-dir", str(built), "--json"]),
+        ("scripts/preprocess_cached.py", ["--help"]),
+        ("scripts/make_vl_sample_data.py", [str(tmp_path / "mk"), "--n", "3"]),
+    ):
+        r = subprocess.run(
+            [sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "mk" / "train-00000-of-00001.parquet").exists()
+
+
+@pytest.mark.slow
+def test_benchmark_quick_smoke(env):
+    from benchmarks.common import BenchArgs
+    from benchmarks.vl_preprocess import run
+
+    rows = run(BenchArgs(repeats=1, warmup=0, quick=True))
+    names = {r.case for r in rows}
+    assert any(n.startswith("per image ours") for n in names)
+    assert any("bytes per pack" in n for n in names)
+
+
+def test_render_unpatchify_inverts_patchify():
+    import numpy as np
+
+    from torchtitan_ext.vl.processor import ImageParams, image_to_patches
+    from torchtitan_ext.vl.render import unpatchify
+
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 256, (256, 320, 3), dtype=np.uint8)  # already a multiple of 32
+    u8, grid = image_to_patches(Image.fromarray(arr), ImageParams())
+    assert grid == (1, 16, 20)
+    assert np.array_equal(unpatchify(u8, grid), arr)

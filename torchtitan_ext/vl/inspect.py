@@ -1,0 +1,175 @@
+"""``inspect-cache`` / ``python -m torchtitan_ext.vl.inspect``: summarise, verify, render a VL cache.
+
+The summary reads only metadata.json / packing_stats.json (no tensor data): packs, samples/pack,
+tokens, fill %, images, patches, bytes per pack and the ratio to the seed's float32 layout
+(pixel_values float32 [N, 1536], input_ids/labels int64, position_ids int64 [4, L],
+image_grid_thw int64). ``--verify`` re-hashes every file (sha256; ~1 GB/s) and names each corrupt
+file and what is wrong; ``--render PACK OUT.png`` draws one pack (render.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def float32_bytes(patches: int, padded_tokens: int, images: int) -> int:
+    """Bytes of the same packs in the seed's layout (float32 pixels, int64 text, 4 position rows)."""
+    return patches * 1536 * 4 + padded_tokens * (8 + 8 + 4 * 8) + images * 3 * 8
+
+
+def summary(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    meta = json.loads((p / "metadata.json").read_text())
+    st = json.loads((p / "packing_stats.json").read_text())
+    c = meta["counts"]
+    stored = sum(f["size"] for f in meta["files"].values())
+    pixel_bytes = sum(f["size"] for k, f in meta["files"].items() if k.endswith("pixels.memmap"))
+    f32 = float32_bytes(c["patches"], c["padded_tokens"], c["images"])
+    packs = max(c["packs"], 1)
+    return {
+        "path": str(p),
+        "key": meta["key"],
+        "config": meta["config"],
+        "packs": c["packs"],
+        "rows_read": c["rows_read"],
+        "samples": c["samples"],
+        "skipped": st["skipped"],
+        "samples_per_pack": st["samples_per_pack"],
+        "images_per_pack": st["images_per_pack"],
+        "fill_pct": st["fill_pct"],
+        "bucket_counts": st["bucket_counts"],
+        "tokens": c["tokens"],
+        "padded_tokens": c["padded_tokens"],
+        "images": c["images"],
+        "patches": c["patches"],
+        "bytes_total": stored,
+        "bytes_per_pack": stored / packs,
+        "pixel_bytes_per_pack": pixel_bytes / packs,
+        "float32_bytes_per_pack": f32 / packs,
+        "ratio_vs_float32": stored / f32 if f32 else 0.0,
+        "versions": meta["versions"],
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f}"
+
+
+def format_table(s: dict[str, Any]) -> str:
+    spp, ipp, fill = s["samples_per_pack"], s["images_per_pack"], s["fill_pct"]
+    rows = [
+        ("cache", s["path"]),
+        ("key", s["key"][:16]),
+        (
+            "seq_len / buffer / buckets",
+            f"{s['config']['seq_len']} / {s['config']['buffer_size']} / {s['config']['buckets']}",
+        ),
+        ("packs", f"{s['packs']}"),
+        (
+            "rows read / packed / skipped",
+            f"{s['rows_read']} / {s['samples']} / {sum(s['skipped'].values())} {s['skipped']}",
+        ),
+        (
+            "samples per pack (mean/min/max)",
+            f"{spp['mean']:.2f} / {spp['min']:.0f} / {spp['max']:.0f}",
+        ),
+        ("tokens (content / padded)", f"{s['tokens']} / {s['padded_tokens']}"),
+        (
+            "fill % (mean/min/p50/max)",
+            f"{fill['mean']:.1f} / {fill['min']:.1f} / {fill['p50']:.1f} / {fill['max']:.1f}",
+        ),
+        ("bucket counts", json.dumps(s["bucket_counts"])),
+        ("images (per pack mean)", f"{s['images']} ({ipp['mean']:.2f})"),
+        ("patches (per pack mean)", f"{s['patches']} ({s['patches'] / max(s['packs'], 1):.0f})"),
+        (
+            "bytes per pack (pixels)",
+            f"{_fmt_bytes(s['bytes_per_pack'])} ({_fmt_bytes(s['pixel_bytes_per_pack'])})",
+        ),
+        ("float32 layout bytes per pack", _fmt_bytes(s["float32_bytes_per_pack"])),
+        (
+            "ratio vs float32",
+            f"{s['ratio_vs_float32']:.4f} (1/{1 / max(s['ratio_vs_float32'], 1e-12):.2f})",
+        ),
+        ("total on disk", _fmt_bytes(s["bytes_total"])),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def _resolve_dir(d: str) -> Path:
+    """Accept a key directory, or a --cache-dir holding exactly one key directory."""
+    p = Path(d)
+    if (p / "metadata.json").exists():
+        return p
+    if p.is_dir():
+        keys = sorted(q for q in p.iterdir() if (q / "metadata.json").exists())
+        if len(keys) == 1:
+            return keys[0]
+        if keys:
+            raise ValueError(
+                f"{p} holds {len(keys)} caches, pass one of: " + ", ".join(q.name for q in keys)
+            )
+    raise FileNotFoundError(f"{p}: no complete VL cache (metadata.json) here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="inspect-cache", description=__doc__.splitlines()[0])
+    ap.add_argument("--cache-dir", required=True, help="a cache key directory (or its parent)")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file's size and sha256; exit 1 naming what is corrupt",
+    )
+    ap.add_argument(
+        "--render",
+        nargs=2,
+        metavar=("PACK", "OUT_PNG"),
+        help="draw pack PACK (thumbnails + token strip per sample) to OUT_PNG",
+    )
+    a = ap.parse_args(argv)
+    try:
+        path = _resolve_dir(a.cache_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"inspect-cache: error: {e}", file=sys.stderr)
+        return 2
+    s = summary(path)
+    print(json.dumps(s, indent=1) if a.json else format_table(s))
+    rc = 0
+    if a.verify:
+        from torchtitan_ext.vl.cache import VLCache
+
+        try:
+            problems = VLCache.open(path).verify()
+        except (OSError, ValueError, RuntimeError) as e:
+            # the cache cannot even be opened (e.g. a shard's meta.json is corrupt): report that
+            problems = [f"cannot open: {type(e).__name__}: {e}"]
+        if problems:
+            print(f"verify: {len(problems)} problem(s):", file=sys.stderr)
+            for pr in problems:
+                print(f"  {pr}", file=sys.stderr)
+            rc = 1
+        else:
+            print(
+                f"verify: OK ({len(json.loads((path / 'metadata.json').read_text())['files'])} "
+                "files, sizes and sha256 match)"
+            )
+    if a.render:
+        from torchtitan_ext.vl.cache import VLCache
+        from torchtitan_ext.vl.render import render_pack
+
+        out = render_pack(VLCache.open(path), int(a.render[0]), a.render[1])
+        print(f"rendered pack {a.render[0]} -> {out}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
