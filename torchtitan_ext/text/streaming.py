@@ -647,7 +647,7 @@ class StreamingTextDataset(IterableDataset):
                 texts.append(text)
                 ids.append(self._doc_id(shard, row))
         if texts:
-            encoded = self.tokenizer.encode_batch(texts, add_bos=self.add_bos, add_eos=False)
+            encoded = self.tokenizer.encode_arrays(texts, add_bos=self.add_bos, add_eos=False)
             for doc, did in zip(encoded, ids, strict=True):
                 self._packer.add(doc)
                 n = len(doc) + 1  # +1: the EOS boundary

@@ -1,0 +1,277 @@
+"""Text loaders: tokens/s (wall and per CPU-second) and data-wait of PrefetchingParquetLoader vs a synchronous loader vs torchtitan's HuggingFaceTextDataLoader.
+
+All loaders read the same Parquet documents (``benchmarks/text_corpus.py``: the embedded text
+enlarged to ``mb`` MB of long-tailed documents) with the same GPT-2 tokenizer, B=8, T=2048, and
+``TOKENIZERS_PARALLELISM=false`` (our loader's default; set for the whole process, so for all).
+
+* ``ours``: :class:`PrefetchingParquetLoader` (background read + ``encode_batch`` + best-fit).
+* ``sync``: the same source, tokenizer call and packer, but reading and tokenizing inside
+  ``next()`` (the seed's starting point: what the thread buys).
+* ``torchtitan``: torchtitan 0.3.0's stock ``HuggingFaceTextDataLoader`` pointed at the Parquet
+  files through its ``DATASETS`` registry (``load_dataset("parquet", ...)``), ``num_workers=0``
+  (its default); the data-wait part also runs it with one worker process.
+
+1. Throughput. Each loader is warmed up (``warmup`` batches: thread start, buffer fill) and then
+   drained as fast as possible for ``batches`` batches (median of up to 3 repeats). Wall tokens/s, and tokens per CPU-second
+   of the whole process (``time.process_time``: all threads, including the tokenizer's Rust
+   threads and our producer) = "per core". Once the consumer outpaces the producer the queue is
+   empty, so prefetched work does not inflate the timed window.
+2. Data-wait. A consumer that "trains" (sleeps) for twice each loader's own time per batch
+   (= 50 % of its capacity, measured in situ right before), for ``steps`` steps after ``warmup``;
+   wait share = time inside ``next()`` / total, and p50/p99 ``next()`` latency; garbage collection
+   as in torchtitan's trainer (automatic GC off, ``gc.collect(1)`` every 50 steps). Then the same
+   consumer rate with slow storage: ``delay_ms`` of sleep per row-group read of 256 documents
+   (~1 MB of text: 50 ms ~ 20 MB/s); for torchtitan, whose reads we cannot hook, per 256 samples.
+
+Options (``--set key=value``): ``mb`` (40; quick 3), ``batches`` (200; quick 15), ``steps`` (300;
+quick 15), ``warmup`` (20; quick 3), ``delay_ms`` (50), ``workers1`` (1: also torchtitan with a
+worker process in the data-wait part; 0 to skip).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.common import BenchArgs, Row, compare, percentile
+from benchmarks.text_corpus import build_corpus, corpus_files, gpt2_tokenizer_dir
+from torchtitan_ext.text.packing import make_packer
+from torchtitan_ext.text.parquet import ParquetSource
+from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
+from torchtitan_ext.text.tokenize import TextTokenizer
+
+B, T = 8, 2048
+
+
+class SyncLoader:
+    """Baseline: the same source / tokenizer / packer, everything inside ``next()``."""
+
+    def __init__(self, corpus: Any, tok: TextTokenizer, delay_s: float = 0.0) -> None:
+        self.tok = tok
+        # read_ahead=0: the read really happens inside next(), as in the seed's loader.
+        self.source = ParquetSource(corpus, val_files="none", read_delay_s=delay_s, read_ahead=0)
+        self.chunks = self.source.iter_chunks()
+        self.packer = make_packer("best_fit", T, tok.bos_id)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        rows = []
+        while len(rows) < B:
+            while not self.packer.ready():
+                chunk = next(self.chunks)
+                for ids in self.tok.encode_batch(chunk.texts, add_bos=True):
+                    self.packer.add(np.array(ids, dtype=np.int64))
+            rows.append(self.packer.pop_row())
+        tokens = torch.from_numpy(np.stack([r.tokens for r in rows]))
+        positions = torch.from_numpy(np.stack([r.positions for r in rows]))
+        return {"input": tokens[:, :-1], "positions": positions[:, :-1]}, tokens[:, 1:]
+
+    def close(self) -> None:
+        pass
+
+
+def _torchtitan_loader(corpus, tok_dir: str, workers: int, delay_s: float = 0.0):
+    from datasets import load_dataset
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataLoader
+
+    files = corpus_files(corpus)
+    counter = [0]
+
+    def text_of(sample: dict) -> str:
+        if delay_s:
+            counter[0] += 1
+            if counter[0] % 256 == 0:  # one "row group" worth of samples
+                time.sleep(delay_s)
+        return sample["text"]
+
+    DATASETS["bench_parquet"] = DatasetConfig(
+        path=str(corpus),
+        loader=lambda path: load_dataset(
+            "parquet",
+            data_files=files,
+            split="train",
+            cache_dir=os.path.join(str(corpus), "hf_cache"),
+        ),
+        sample_processor=text_of,
+    )
+    cfg = HuggingFaceTextDataLoader.Config(
+        dataset="bench_parquet", dataset_path=str(corpus), num_workers=workers
+    )
+    tt_tok = HuggingFaceTokenizer(tokenizer_path=tok_dir)
+    return cfg.build(dp_world_size=1, dp_rank=0, tokenizer=tt_tok, seq_len=T, local_batch_size=B)
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    gc.collect()
+
+
+def throughput(make: Callable[[], Any], batches: int, warmup: int) -> dict[str, float]:
+    loader = make()
+    it = iter(loader)
+    for _ in range(warmup):
+        next(it)
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(batches):
+        _, labels = next(it)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    del it
+    _close(loader)
+    ntok = batches * B * T
+    return {"wall_tps": ntok / wall, "cpu_tps": ntok / cpu, "s_per_batch": wall / batches}
+
+
+def data_wait(
+    make: Callable[[], Any], steps: int, warmup: int, cap_batches: int, step_s: float | None = None
+) -> dict[str, float]:
+    """Consumer at 50 % of the loader's capacity. The capacity is measured in situ right before
+    (``cap_batches`` drained as fast as possible after ``warmup``), because the load on a shared
+    machine drifts between phases; pass ``step_s`` to reuse a step time instead."""
+    loader = make()
+    it = iter(loader)
+    for _ in range(warmup):
+        next(it)
+    if step_s is None:
+        t0 = time.perf_counter()
+        for _ in range(cap_batches):
+            next(it)
+        step_s = 2.0 * (time.perf_counter() - t0) / cap_batches
+    for _ in range(warmup):  # settle at the new rate (the queue refills)
+        next(it)
+        time.sleep(step_s)
+    lat: list[float] = []
+    # Garbage collection as torchtitan's trainer does it (GarbageCollection, training.gc_freq):
+    # automatic GC off, a generation-1 collection every 50 steps in the training loop. With
+    # automatic GC on, a generation-2 pass (~65 ms here: torch & co. hold ~10^6 tracked objects)
+    # can start in any thread at any time, including inside next().
+    gc.collect(1)
+    gc.disable()
+    try:
+        t_start = time.perf_counter()
+        for i in range(steps):
+            t0 = time.perf_counter()
+            next(it)
+            lat.append(time.perf_counter() - t0)
+            if i % 50 == 49:
+                gc.collect(1)
+            time.sleep(step_s)  # the "GPU step"
+        total = time.perf_counter() - t_start
+    finally:
+        gc.enable()
+    del it
+    _close(loader)
+    return {
+        "step_ms": 1e3 * step_s,
+        "wait_pct": 100.0 * sum(lat) / total,
+        "p50_ms": 1e3 * percentile(lat, 50),
+        "p99_ms": 1e3 * percentile(lat, 99),
+        "max_ms": 1e3 * max(lat),
+    }
+
+
+def run(args: BenchArgs) -> list[Row]:
+    q = args.quick
+    ex = args.extra
+    mb = float(ex.get("mb", 3 if q else 40))
+    n_batches = int(ex.get("batches", 15 if q else 200))
+    steps = int(ex.get("steps", 15 if q else 300))
+    warm = int(ex.get("warmup", 3 if q else 20))
+    delay_s = float(ex.get("delay_ms", 50)) / 1e3
+    workers1 = int(ex.get("workers1", 0 if q else 1))
+    reps = 1 if q else max(1, min(args.repeats, 3))
+
+    # Process-wide and identical for every loader: tokenization on the calling thread (our loader
+    # sets this itself; set here first so that all loaders run under the same setting).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    corpus = build_corpus(target_mb=mb)
+    tok_dir = str(gpt2_tokenizer_dir())
+    # Same tokenizer (GPT-2 vocab + merges) for every loader. Ours and sync encode with the
+    # tiktoken engine of TextTokenizer (ids verified equal to `tokenizers`', see
+    # tests/test_tokenize.py); "ours, tokenizers engine" isolates what the engine buys.
+    tok = TextTokenizer.from_path(tok_dir)
+    tok_hf = TextTokenizer.from_path(tok_dir, engine="hf")
+
+    makers: dict[str, Callable[[float], Callable[[], Any]]] = {
+        "ours": lambda d: (
+            lambda: PrefetchingParquetLoader(
+                corpus, tok, seq_len=T, batch_size=B, val_files="none", read_delay_s=d
+            )
+        ),
+        "ours, tokenizers engine": lambda d: (
+            lambda: PrefetchingParquetLoader(
+                corpus, tok_hf, seq_len=T, batch_size=B, val_files="none", read_delay_s=d
+            )
+        ),
+        "sync": lambda d: lambda: SyncLoader(corpus, tok, delay_s=d),
+        "torchtitan": lambda d: lambda: _torchtitan_loader(corpus, tok_dir, 0, d),
+    }
+    _close(makers["torchtitan"](0)())  # build HF's arrow cache outside the timings
+
+    rows: list[Row] = []
+    tput: dict[str, dict[str, float]] = {}
+    for name, mk in makers.items():
+        samples = [throughput(mk(0.0), n_batches, warm) for _ in range(reps)]
+        tput[name] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        rows.append(
+            Row(
+                f"tokens/s wall {name}",
+                tput[name]["wall_tps"],
+                "tok/s",
+                samples=[s["wall_tps"] for s in samples],
+            )
+        )
+        rows.append(
+            Row(
+                f"tokens/CPU-s {name}",
+                tput[name]["cpu_tps"],
+                "tok/cpu-s",
+                samples=[s["cpu_tps"] for s in samples],
+            )
+        )
+    for name in ("ours", "ours, tokenizers engine", "sync"):
+        compare(rows, f"tokens/s wall {name}", "tokens/s wall torchtitan")
+        r = compare(rows, f"tokens/CPU-s {name}", "tokens/CPU-s torchtitan")
+        if name == "ours":
+            r.target, r.met = ">= 3x", r.ratio >= 3.0
+    w = compare(rows, "tokens/s wall ours", "tokens/s wall torchtitan")
+    w.target, w.met = ">= 3x", w.ratio >= 3.0
+
+    # -------- data wait at 50 % of each loader's own capacity (measured in situ), then the same
+    # consumer rate with slow storage
+    wait_makers = {k: v for k, v in makers.items() if k != "ours, tokenizers engine"}
+    if workers1:
+        wait_makers["torchtitan 1 worker"] = lambda d: (
+            lambda: _torchtitan_loader(corpus, tok_dir, 1, d)
+        )
+    cap_batches = max(5, n_batches // 4)
+    steps_of: dict[str, float] = {}
+    for storage, d in (("", 0.0), (" slow storage", delay_s)):
+        for name, mk in wait_makers.items():
+            res = data_wait(mk(d), steps, warm, cap_batches, steps_of.get(name))
+            steps_of[name] = res["step_ms"] / 1e3
+            tag = f"{name}{storage}"
+            r1 = Row(f"wait share {tag}", res["wait_pct"], "%", higher_is_better=False, info=res)
+            r2 = Row(f"next() p50 {tag}", res["p50_ms"], "ms", higher_is_better=False, info=res)
+            r3 = Row(f"next() p99 {tag}", res["p99_ms"], "ms", higher_is_better=False, info=res)
+            if name == "ours":
+                r1.target, r1.met = "<= 0.5%", res["wait_pct"] <= 0.5
+                r3.target, r3.met = "<= 1 ms", res["p99_ms"] <= 1.0
+            rows += [r1, r2, r3]
+        for name in wait_makers:
+            if name != "ours":
+                compare(rows, f"wait share ours{storage}", f"wait share {name}{storage}")
+        compare(rows, f"wait share ours{storage}", f"wait share sync{storage}")
+    return rows

@@ -1,0 +1,229 @@
+"""Packers: BOS alignment, 100 % fill, best-fit choice, zero-discard, concat-split, exact state."""
+
+from __future__ import annotations
+
+from bisect import insort
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchtitan_ext.text.packing import (
+    IGNORE_INDEX,
+    BestFitPacker,
+    ConcatSplitPacker,
+    PackedRow,
+    make_packer,
+    row_to_example,
+)
+
+BOS = 0
+EOS = 1
+
+
+def _docs(rng: np.random.Generator, n: int, mean_len: float = 20.0) -> list[np.ndarray]:
+    """BOS-prefixed documents with long-tailed lengths and unique content tokens."""
+    out, nxt = [], 10
+    for _ in range(n):
+        k = int(rng.lognormal(np.log(mean_len), 1.0)) + 1
+        out.append(np.concatenate([[BOS], np.arange(nxt, nxt + k)]).astype(np.int64))
+        nxt += k
+    return out
+
+
+def _run(packer, docs, flush=True) -> list[PackedRow]:
+    rows = []
+    for d in docs:
+        packer.add(d)
+        while packer.ready():
+            rows.append(packer.pop_row())
+    while flush and packer.has_pending():
+        rows.append(packer.pop_row(final=True))
+    return rows
+
+
+def _invariant(p) -> None:
+    c, s = p.c, p.stats()
+    assert (
+        c.tokens_in + c.bos_inserted + c.boundary_tokens + c.tokens_carried
+        == c.tokens_out + c.tokens_cropped + s["buffered_tokens"]
+    )
+
+
+def _segments(row: PackedRow) -> list[np.ndarray]:
+    """Split a row at position resets."""
+    starts = [i for i in range(row.valid) if row.positions[i] == 0] + [row.valid]
+    return [row.tokens[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+
+
+@pytest.mark.parametrize("mode", ["crop", "zero_discard"])
+def test_best_fit_rows_bos_aligned_full_and_positions(mode):
+    rng = np.random.default_rng(0)
+    docs = _docs(rng, 600)
+    p = BestFitPacker(seq_len=48, bos_id=BOS, mode=mode, buffer_docs=16)
+    rows = _run(p, docs)
+    _invariant(p)
+    assert p.stats()["buffered_tokens"] == 0
+    for r in rows[:-1]:
+        assert r.valid == 49 and r.tokens.shape == (49,)
+        assert r.tokens[0] == BOS
+        for seg in _segments(r):
+            assert seg[0] == BOS  # every document piece starts with BOS ...
+            assert np.all(np.diff(seg[1:]) == 1)  # ... and is a contiguous piece of a document
+            # positions count up from 0 within the piece
+        pos = r.positions
+        starts = np.flatnonzero(pos == 0)
+        assert np.all(r.tokens[starts] == BOS)
+    if mode == "crop":
+        assert p.c.tokens_cropped > 0 and p.c.bos_inserted == 0
+    else:
+        assert p.c.tokens_cropped == 0
+        # zero discard: every source token appears exactly once in the output
+        src = np.concatenate([d[1:] for d in docs])
+        out = np.concatenate([r.tokens[: r.valid] for r in rows])
+        out = out[out != BOS]
+        assert np.array_equal(np.sort(out), np.sort(src))
+
+
+def _reference_best_fit(docs, R, buffer_docs):
+    """Straightforward linear-scan model of the documented rule, for differential testing."""
+    buf: list[tuple[int, int, list[int]]] = []
+    seq = 0
+    rows = []
+    for d in docs:
+        insort(buf, (len(d), seq, list(d)))
+        seq += 1
+        while len(buf) >= buffer_docs and sum(x[0] for x in buf) >= R:
+            row: list[int] = []
+            while len(row) < R:
+                rem = R - len(row)
+                if not row and buf[-1][0] > R:
+                    pick = len(buf) - 1
+                else:
+                    fits = [i for i, x in enumerate(buf) if x[0] <= rem]
+                    pick = fits[-1] if fits else 0
+                n, s, toks = buf.pop(pick)
+                row += toks[:rem]
+            rows.append(row)
+    return rows
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    seq_len=st.integers(4, 80),
+    buffer_docs=st.integers(1, 40),
+)
+def test_best_fit_matches_reference_rule(seed, seq_len, buffer_docs):
+    docs = _docs(np.random.default_rng(seed), 150, mean_len=seq_len / 3)
+    p = BestFitPacker(seq_len, BOS, buffer_docs=buffer_docs)
+    ours = [r.tokens.tolist() for r in _run(p, docs, flush=False)]
+    assert ours == _reference_best_fit(docs, seq_len + 1, buffer_docs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    cut=st.integers(0, 300),
+    mode=st.sampled_from(["best_fit", "zero_discard", "concat_split"]),
+    overlap=st.booleans(),
+)
+def test_state_round_trip_is_exact(seed, cut, mode, overlap):
+    docs = _docs(np.random.default_rng(seed), 300)
+    kw = dict(buffer_docs=8, boundary_id=EOS if mode == "concat_split" else None, overlap=overlap)
+    full = make_packer(mode, 32, BOS, **kw)
+    want = _run(full, docs)
+    a = make_packer(mode, 32, BOS, **kw)
+    got = _run(a, docs[:cut], flush=False)
+    state = a.state_dict()
+    b = make_packer(mode, 32, BOS, **kw)
+    b.load_state_dict(state)
+    got += _run(b, docs[cut:])
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.positions, y.positions)
+        assert x.valid == y.valid
+    assert b.stats() == full.stats()
+
+
+def test_state_is_plain_data_and_checks_kind():
+    p = BestFitPacker(16, BOS, buffer_docs=4)
+    _run(p, _docs(np.random.default_rng(1), 20), flush=False)
+    sd = p.state_dict()
+    for k, v in sd.items():
+        assert isinstance(v, (int, np.ndarray, dict)), k
+    with pytest.raises(ValueError, match="kind"):
+        BestFitPacker(16, BOS, mode="zero_discard").load_state_dict(sd)
+    with pytest.raises(ValueError, match="row_len"):
+        BestFitPacker(17, BOS).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_concat_split_is_the_concatenation(overlap):
+    docs = _docs(np.random.default_rng(2), 200)
+    p = ConcatSplitPacker(seq_len=31, boundary_id=EOS, overlap=overlap)
+    rows = _run(p, docs)
+    _invariant(p)
+    stream = np.concatenate([np.append(d, EOS) for d in docs])
+    if overlap:
+        # consecutive windows share one token; dropping it from all but the first recovers it
+        out = np.concatenate(
+            [rows[0].tokens[: rows[0].valid]] + [r.tokens[1 : r.valid] for r in rows[1:]]
+        )
+    else:
+        out = np.concatenate([r.tokens[: r.valid] for r in rows])
+    assert np.array_equal(out, stream)
+    for r in rows:
+        assert r.positions[0] == 0
+        # position resets exactly after each EOS (and at the window start)
+        for i in range(1, r.valid):
+            assert (r.positions[i] == 0) == (r.tokens[i - 1] == EOS)
+    assert p.c.tokens_cropped == 0
+
+
+def test_row_to_example_shifts_and_masks_padding():
+    p = BestFitPacker(seq_len=8, bos_id=BOS, buffer_docs=1, pad_id=2)
+    p.add([BOS, 5, 6, 7])
+    row = p.pop_row(final=True)
+    assert row.valid == 4
+    inp, labels, pos = row_to_example(row)
+    assert inp.tolist() == [BOS, 5, 6, 7, 2, 2, 2, 2]
+    assert labels.tolist() == [5, 6, 7] + [IGNORE_INDEX] * 5
+    assert pos.tolist()[:4] == [0, 1, 2, 3]
+    tokens, positions = row  # tuple-style unpacking (the packing contract)
+    assert tokens is row.tokens and positions is row.positions
+
+
+def test_over_long_documents_do_not_pile_up():
+    """Documents longer than a row open a fresh row instead of waiting forever in the buffer."""
+    rng = np.random.default_rng(3)
+    p = BestFitPacker(seq_len=32, bos_id=BOS, buffer_docs=16)
+    docs = _docs(rng, 2000, mean_len=20)
+    _run(p, docs, flush=False)
+    assert all(n <= 33 for n, _ in p._keys[:-1]) or len(p._keys) <= 16
+    assert sum(1 for n, _ in p._keys if n > 33) <= 1
+
+
+def test_add_rejects_bad_documents():
+    p = BestFitPacker(8, BOS)
+    with pytest.raises(ValueError, match="BOS"):
+        p.add([5, 6])
+    with pytest.raises(ValueError, match="empty"):
+        p.add([])
+    with pytest.raises(RuntimeError, match="ready"):
+        p.pop_row()
+    with pytest.raises(ValueError, match="packing"):
+        make_packer("nope", 8, BOS)
+
+
+@pytest.mark.slow
+def test_packing_benchmark_quick_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_EXT_CACHE", str(tmp_path))
+    from benchmarks.common import BenchArgs
+    from benchmarks.packing import run
+
+    rows = {r.case: r for r in run(BenchArgs(quick=True, extra={"mb": "0.5", "batches": "40"}))}
+    assert rows["fill % ours best-fit"].value == pytest.approx(100.0)
+    assert rows["crop % ours zero-discard"].value == 0.0
+    assert 0.0 < rows["crop % ours best-fit"].value < 100.0

@@ -1,0 +1,455 @@
+"""PrefetchingParquetLoader and its torchtitan glue: batches, thread errors and shutdown, exact
+resume (direct, through DCP, per DP rank), bad-input accounting, finite passes."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import traceback
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchtitan_ext.data.embedded import ensure_embedded_data
+from torchtitan_ext.text.errors import BadInputError
+from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
+from torchtitan_ext.text.tokenize import TextTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return ensure_embedded_data(tmp_path_factory.getbasetemp() / "embedded")
+
+
+@pytest.fixture(scope="session")
+def tok(data_dir) -> TextTokenizer:
+    return TextTokenizer.from_path(data_dir / "tokenizer")
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [
+        t for t in threading.enumerate() if t.name.startswith(("parquet-prefetch", "parquet-read"))
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak():
+    before = set(_prefetch_threads())
+    yield
+    gc.collect()
+    leaked = [t for t in _prefetch_threads() if t not in before and t.is_alive()]
+    assert not leaked, f"leaked prefetch threads: {leaked}"
+
+
+def _loader(data_dir, tok, **kw) -> PrefetchingParquetLoader:
+    kw.setdefault("seq_len", 64)
+    kw.setdefault("batch_size", 2)
+    kw.setdefault("buffer_docs", 16)
+    kw.setdefault("chunk_rows", 32)
+    kw.setdefault("queue_size", 4)
+    return PrefetchingParquetLoader(data_dir, tok, **kw)
+
+
+def _same(a, b) -> bool:
+    return (
+        torch.equal(a[0]["input"], b[0]["input"])
+        and torch.equal(a[0]["positions"], b[0]["positions"])
+        and torch.equal(a[1], b[1])
+    )
+
+
+# ---------------------------------------------------------------------------- batches
+def test_batches_are_shifted_bos_aligned_and_positioned(data_dir, tok):
+    with _loader(data_dir, tok, seq_len=96, batch_size=3) as loader:
+        for _ in range(10):
+            inp, labels = next(loader)
+            x, pos = inp["input"], inp["positions"]
+            assert x.shape == labels.shape == pos.shape == (3, 96)
+            assert x.dtype == labels.dtype == pos.dtype == torch.int64
+            assert torch.equal(labels[:, :-1], x[:, 1:])  # labels are the next tokens
+            assert torch.all(x[:, 0] == tok.bos_id)  # every row starts with BOS
+            assert torch.equal(pos == 0, x == tok.bos_id)  # positions restart at each document
+            # positions count up by one inside a document
+            step = pos[:, 1:] - pos[:, :-1]
+            assert torch.all((step == 1) | (pos[:, 1:] == 0))
+        stats = loader.get_stats()
+        assert stats["thread_alive"] and stats["queue_capacity"] == 4
+        assert stats["docs_read"] > 0 and stats["tokens_read"] > 0 and stats["fill_pct"] == 100.0
+        for key in ("queue_depth", "tokens_cropped", "consumer_wait_ms", "docs_skipped"):
+            assert key in stats
+    assert not loader.get_stats()["thread_alive"]
+
+
+def test_rows_decode_to_corpus_text(data_dir, tok):
+    corpus = "\n".join(
+        t
+        for f in sorted(data_dir.glob("train-*.parquet"))
+        for t in pq.read_table(f)["text"].to_pylist()
+    )
+    with _loader(data_dir, tok, seq_len=128, batch_size=2) as loader:
+        inp, _ = next(loader)
+    row = inp["input"][0].tolist()
+    starts = [i for i, t in enumerate(row) if t == tok.bos_id] + [len(row)]
+    for a, b in zip(starts, starts[1:], strict=False):
+        piece = tok.decode(row[a + 1 : b])
+        assert piece[:-3] in corpus  # (the last bytes may be a split multi-byte token)
+
+
+# ---------------------------------------------------------------------------- thread lifecycle
+def test_close_context_manager_and_gc_stop_the_thread(data_dir, tok):
+    loader = _loader(data_dir, tok)
+    next(loader)
+    # the producer and its read-ahead I/O helpers (up to read_ahead=4 concurrent reads)
+    kinds = sorted(t.name.split("-")[1] for t in _prefetch_threads())
+    assert kinds[0] == "prefetch" and 1 <= kinds.count("read") <= 4 and len(kinds) == 1 + kinds.count("read")
+    loader.close()
+    loader.close()  # idempotent
+    assert not _prefetch_threads()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(loader)
+    with _loader(data_dir, tok) as other:
+        next(other)
+    assert not _prefetch_threads()
+    dropped = _loader(data_dir, tok)
+    next(dropped)
+    del dropped  # no close(): the weakref finalizer stops the thread
+    gc.collect()
+    assert not _prefetch_threads()
+
+
+@pytest.mark.integration
+def test_interpreter_exit_stops_the_thread(data_dir, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from torchtitan_ext.text import prefetch
+        original_stop = prefetch._Producer.stop
+        def stop(self, timeout=10.0):
+            original_stop(self, timeout)
+            print("stopped at exit; thread alive:", self.thread.is_alive(), flush=True)
+        prefetch._Producer.stop = stop
+        loader = prefetch.PrefetchingParquetLoader(
+            {str(data_dir)!r}, {str(data_dir / "tokenizer")!r},
+            seq_len=64, batch_size=2, buffer_docs=8, queue_size=2)
+        next(loader)
+        print("ok", flush=True)
+        # no close(): the interpreter exits with the producer blocked on a full queue
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-2:] == ["ok", "stopped at exit; thread alive: False"]
+
+
+def test_thread_exception_reraised_with_original_traceback(tmp_path, tok):
+    texts = [f"document number {i} " * 5 for i in range(40)]
+    texts[33] = None
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet", row_group_size=16)
+    loader = PrefetchingParquetLoader(
+        tmp_path / "d.parquet",
+        tok,
+        seq_len=16,
+        batch_size=2,
+        buffer_docs=4,
+        chunk_rows=8,
+        val_files="none",
+        shuffle=False,
+        queue_size=2,
+    )
+    with pytest.raises(BadInputError) as ei:
+        for _ in range(200):
+            next(loader)
+    err = ei.value
+    assert "d.parquet row_group=2 row=1" in str(err) and "NULL" in str(err)
+    frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
+    assert "_run" in frames and "_texts" in frames  # the producer thread's frames are kept
+    assert "__next__" in frames
+    assert any("background thread" in n for n in getattr(err, "__notes__", []))
+    assert not _prefetch_threads()  # the failed producer is gone
+    loader.close()
+
+
+def test_skip_mode_counts_reconcile(tmp_path, tok):
+    texts = [f"text {i} " * 3 for i in range(30)]
+    texts[3] = None
+    texts[7] = ""
+    texts[20] = None
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet", row_group_size=10)
+    with PrefetchingParquetLoader(
+        tmp_path / "d.parquet",
+        tok,
+        seq_len=16,
+        batch_size=2,
+        buffer_docs=4,
+        val_files="none",
+        infinite=False,
+        on_bad_input="skip",
+    ) as loader:
+        n = sum(1 for _ in loader)
+        s = loader.get_stats()
+        assert n > 0
+        assert loader.skip_counts == {"null": 2, "empty": 1}
+        assert s["rows_read"] == 30 == s["docs_read"] + s["docs_skipped"]
+
+
+# ---------------------------------------------------------------------------- finite passes
+def test_finite_val_pass_covers_split_and_pads_last_batch(data_dir, tok):
+    n_val = sum(pq.ParquetFile(f).metadata.num_rows for f in data_dir.glob("val-*.parquet"))
+    with _loader(
+        data_dir, tok, split="val", infinite=False, packing="zero_discard", batch_size=4
+    ) as loader:
+        batches = list(loader)
+        s = loader.get_stats()
+    assert s["docs_read"] == n_val and s["rows_read"] == n_val
+    labels = batches[-1][1]
+    assert (labels == -100).any()  # the last batch is padded, shapes unchanged
+    assert all(b[1].shape == (4, 64) for b in batches)
+    # zero-discard over a finite pass: every token read is trained on (BOS re-inserted aside)
+    n_label_tokens = sum(int((b[1] != -100).sum()) for b in batches)
+    assert n_label_tokens + len(batches) * 4 >= s["tokens_read"] - 1
+
+
+# ---------------------------------------------------------------------------- exact resume
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    k=st.integers(0, 12),
+    seq_len=st.sampled_from([16, 48, 100]),
+    batch=st.integers(1, 3),
+    mode=st.sampled_from(["best_fit", "zero_discard", "concat_split"]),
+)
+def test_resume_is_bitwise_exact(data_dir, tok, k, seq_len, batch, mode):
+    n = 14
+    kw = dict(seq_len=seq_len, batch_size=batch, packing=mode, seed=5)
+    with _loader(data_dir, tok, **kw) as ref:
+        want = [next(ref) for _ in range(n)]
+    with _loader(data_dir, tok, **kw) as first:
+        got = [next(first) for _ in range(k)]
+        state = first.state_dict()
+        stats_at_cut = first.get_stats()
+    with _loader(data_dir, tok, **kw) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.get_stats()["docs_read"] == stats_at_cut["docs_read"]
+        got += [next(resumed) for _ in range(n - k)]
+    assert all(_same(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_resume_across_epochs_and_after_load_on_a_running_loader(data_dir, tok):
+    kw = dict(split="val", seq_len=32, batch_size=4)  # the small val split wraps epochs quickly
+    with _loader(data_dir, tok, **kw) as ref:
+        want = [next(ref) for _ in range(60)]
+        assert ref.get_stats()["epoch"] >= 2
+    with _loader(data_dir, tok, **kw) as a:
+        for _ in range(37):
+            next(a)
+        state = a.state_dict()
+    with _loader(data_dir, tok, **kw) as b:
+        for _ in range(5):  # the thread is running from cursor 0; load must restart it
+            next(b)
+        b.load_state_dict(state)
+        got = [next(b) for _ in range(23)]
+    assert all(_same(x, y) for x, y in zip(got, want[37:], strict=True))
+
+
+def test_state_dict_is_pickle_free_and_cheap_to_copy(data_dir, tok):
+    import copy
+
+    with _loader(data_dir, tok) as loader:
+        next(loader)
+        state = loader.state_dict()
+        next(loader)
+        state2 = loader.state_dict()
+
+    def check(v, path="state"):
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                assert isinstance(k2, str)
+                check(v2, f"{path}.{k2}")
+        elif isinstance(v, list):
+            assert all(isinstance(x, (int, bytes)) for x in v), path
+        else:
+            assert isinstance(v, (int, bytes)), (path, type(v))
+
+    check(state)
+    blobs = state["packer"]["docs"]
+    assert len(blobs) > 0
+    # deepcopy (what AsyncDeviceLoader does per batch) shares the immutable blobs ...
+    assert copy.deepcopy(state)["packer"]["docs"][0] is blobs[0]
+    # ... and documents still buffered one batch later are not serialised again
+    shared = set(map(id, blobs)) & set(map(id, state2["packer"]["docs"]))
+    assert len(shared) > len(blobs) // 2
+    with _loader(data_dir, tok, seq_len=65) as other, pytest.raises(ValueError, match="seq_len"):
+        other.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------- torchtitan glue
+def _glue_cfg(data_dir, **kw):
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+
+    kw.setdefault("buffer_docs", 16)
+    kw.setdefault("queue_size", 4)
+    return PrefetchingParquetDataLoader.Config(
+        dataset_path=str(data_dir), tokenizer_path=str(data_dir / "tokenizer"), **kw
+    )
+
+
+def _build(cfg, rank=0, world=1, **kw):
+    return cfg.build(
+        dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=48, local_batch_size=2, **kw
+    )
+
+
+def test_registry_and_config(data_dir):
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+    from torchtitan_ext.registry import get_loader_config
+
+    assert get_loader_config("parquet_prefetch") is PrefetchingParquetDataLoader.Config
+    cfg = _glue_cfg(data_dir)
+    assert dataclasses.replace(cfg, infinite=False).infinite is False  # what the validator does
+    fields = {f.name for f in dataclasses.fields(PrefetchingParquetDataLoader.Config)}
+    assert {"infinite", "dataset_path", "tokenizer_path", "text_column", "packing"} <= fields
+
+
+def test_glue_with_torchtitan_tokenizer_and_finite_reiteration(data_dir):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+
+    tt_tok = HuggingFaceTokenizer(tokenizer_path=str(data_dir / "tokenizer"))
+    cfg = PrefetchingParquetDataLoader.Config(
+        dataset_path=str(data_dir), split="val", infinite=False, buffer_docs=8
+    )
+    dl = cfg.build(
+        dp_rank=0,
+        dp_world_size=1,
+        tokenizer=tt_tok,
+        seq_len=32,
+        local_batch_size=2,
+        snapshot_every_n_steps=5,
+        max_context_length=32,
+    )
+    first = list(iter(dl))
+    second = list(iter(dl))  # a new iter() over a finished pass starts a new pass
+    assert len(first) == len(second) > 0
+    assert all(_same(a, b) for a, b in zip(first, second, strict=True))
+    assert "queue_depth" in dl.get_stats()
+    dl.close()
+
+
+def _dcp_roundtrip(states: dict, templates: dict, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(states, checkpoint_id=str(tmp_path))
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(templates, checkpoint_id=str(tmp_path))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_checkpoint_roundtrip_per_dp_rank(data_dir, tmp_path, world):
+    cfg = _glue_cfg(data_dir, seed=11)
+    # uninterrupted reference per rank
+    refs = [_build(cfg, r, world) for r in range(world)]
+    want = [[next(iter(dl)) for _ in range(12)] for dl in refs]
+    for dl in refs:
+        dl.close()
+    # run 5 steps, checkpoint all ranks' states in one DCP checkpoint (as torchtitan does: one
+    # "dp_rank_{r}" key per rank plus the shared "world_size")
+    runs = [_build(cfg, r, world) for r in range(world)]
+    for dl in runs:
+        for _ in range(5):
+            next(iter(dl))
+    merged: dict = {}
+    for dl in runs:
+        merged.update(dl.state_dict())
+    assert sorted(merged) == sorted([f"dp_rank_{r}" for r in range(world)] + ["world_size"])
+    fresh = [_build(cfg, r, world) for r in range(world)]
+    for r, dl in enumerate(fresh):
+        # each rank loads only its own key from the shared checkpoint
+        sub = tmp_path / f"load{r}"
+        _dcp_roundtrip({"dataloader": merged}, {"dataloader": dl}, sub)
+        got = [next(iter(dl)) for _ in range(7)]
+        assert all(_same(a, b) for a, b in zip(got, want[r][5:12], strict=True))
+    if world == 2:
+        # the ranks read different data
+        assert not torch.equal(want[0][0][0]["input"], want[1][0][0]["input"])
+    for dl in runs + fresh:
+        dl.close()
+
+
+def test_glue_load_state_checks_world_size(data_dir):
+    cfg = _glue_cfg(data_dir)
+    a = _build(cfg, 0, 2)
+    next(iter(a))
+    state = a.state_dict()
+    b = _build(cfg, 0, 1)
+    with pytest.raises(ValueError, match="dp_world_size=2"):
+        b.load_state_dict(state)
+    b.load_state_dict({})  # an empty state is a fresh start
+    a.close()
+    b.close()
+
+
+@pytest.mark.slow
+def test_text_loaders_benchmark_quick_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_EXT_CACHE", str(tmp_path))
+    from benchmarks.common import BenchArgs
+    from benchmarks.text_loaders import run
+
+    extra = {"mb": "0.5", "batches": "3", "steps": "3", "warmup": "1", "workers1": "0"}
+    rows = {r.case: r for r in run(BenchArgs(quick=True, extra=extra))}
+    for name in ("ours", "sync", "torchtitan"):
+        assert rows[f"tokens/s wall {name}"].value > 0
+    assert rows["wait share ours"].unit == "%"
+    assert "next() p99 ours slow storage" in rows
+
+
+def test_tokenizer_parallelism_default_respects_user_setting(data_dir, tok, monkeypatch):
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    _loader(data_dir, tok).close()
+    import os
+
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    _loader(data_dir, tok).close()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+def test_add_eos_appends_exactly_one_eos_per_document(tmp_path, tok):
+    pq.write_table(
+        pa.table({"text": ["alpha beta", "gamma delta epsilon"] * 4}), tmp_path / "d.parquet"
+    )
+    for packing in ("best_fit", "concat_split"):
+        with PrefetchingParquetLoader(
+            tmp_path / "d.parquet",
+            tok,
+            seq_len=256,
+            batch_size=1,
+            buffer_docs=1,
+            val_files="none",
+            shuffle=False,
+            infinite=False,
+            add_eos=True,
+            packing=packing,
+        ) as loader:
+            (inp, labels), *_ = list(loader)
+        row = inp["input"][0].tolist()
+        n_bos = row.count(tok.bos_id)
+        assert n_bos == 8 and row.count(tok.eos_id) == 8, packing
+        for i, t in enumerate(row[1:], 1):
+            if t == tok.bos_id:
+                assert row[i - 1] == tok.eos_id  # each document ends with one EOS
