@@ -15,7 +15,7 @@ deterministic in ``seed``; the shards are written to ``$TORCHTITAN_EXT_CACHE`` (
 and an atomic rename.
 
 Tokenizer. GPT-2's byte-level BPE, built offline from ``benchmarks/data/gpt2/`` (OpenAI's
-``encoder.json`` / ``vocab.bpe``, MIT licence; see ``tests/data/LICENSES-parquet.md``) with
+``encoder.json`` / ``vocab.bpe``, MIT licence; see ``DATA_LICENSES.md``) with
 ``<|endoftext|>`` (id 50256) as BOS and EOS — GPT-2 has no separate BOS. Saved as a
 ``tokenizer.json`` + ``tokenizer_config.json`` directory that both our :class:`TextTokenizer` and
 torchtitan's ``HuggingFaceTokenizer`` load, so every loader uses the very same tokenizer.
