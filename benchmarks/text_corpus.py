@@ -30,13 +30,16 @@ Reuse (the streaming benchmark does)::
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
-from torchtitan_ext.data.embedded import SOURCES, cache_root, source_text
+from torchtitan_ext.data.embedded import (
+    SOURCES,
+    build_atomically,
+    cache_root,
+    source_text,
+    write_parquet_shards,
+)
 
 GPT2_DIR = Path(__file__).resolve().parent / "data" / "gpt2"
 GPT2_EOT = "<|endoftext|>"
@@ -76,23 +79,6 @@ def corpus_documents(
     return docs
 
 
-def _atomic_write(final: Path, fill) -> Path:
-    if (final / "DONE").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    fill(tmp)
-    (tmp / "DONE").write_text("ok\n")
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        # A concurrent builder renamed its identical copy first; ours is redundant.
-        if not (final / "DONE").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def build_corpus(
     target_mb: float = 40.0,
     seed: int = 0,
@@ -101,8 +87,6 @@ def build_corpus(
     root: str | Path | None = None,
 ) -> Path:
     """Write (once) and return the corpus directory of ``train-*.parquet`` shards."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     root = Path(root) if root is not None else cache_root()
     final = (
@@ -112,15 +96,11 @@ def build_corpus(
 
     def fill(tmp: Path) -> None:
         docs = corpus_documents(target_mb, seed)
-        per = -(-len(docs) // num_shards)
-        for i in range(num_shards):
-            part = docs[i * per : (i + 1) * per]
-            path = tmp / f"train-{i:05d}-of-{num_shards:05d}.parquet"
-            pq.write_table(pa.table({"text": part}), path, row_group_size=rows_per_group)
+        write_parquet_shards(docs, tmp, "train", num_shards, rows_per_group)
         info = {"documents": len(docs), "chars": sum(map(len, docs)), "seed": seed}
         (tmp / "info.json").write_text(json.dumps(info, indent=2))
 
-    return _atomic_write(final, fill)
+    return build_atomically(final, fill)
 
 
 def gpt2_tokenizer_dir(root: str | Path | None = None) -> Path:
@@ -149,7 +129,7 @@ def gpt2_tokenizer_dir(root: str | Path | None = None) -> Path:
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
-    return _atomic_write(final, fill)
+    return build_atomically(final, fill)
 
 
 def corpus_files(corpus_dir: Path) -> list[str]:

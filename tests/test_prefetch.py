@@ -112,7 +112,11 @@ def test_close_context_manager_and_gc_stop_the_thread(data_dir, tok):
     next(loader)
     # the producer and its read-ahead I/O helpers (up to read_ahead=4 concurrent reads)
     kinds = sorted(t.name.split("-")[1] for t in _prefetch_threads())
-    assert kinds[0] == "prefetch" and 1 <= kinds.count("read") <= 4 and len(kinds) == 1 + kinds.count("read")
+    assert (
+        kinds[0] == "prefetch"
+        and 1 <= kinds.count("read") <= 4
+        and len(kinds) == 1 + kinds.count("read")
+    )
     loader.close()
     loader.close()  # idempotent
     assert not _prefetch_threads()

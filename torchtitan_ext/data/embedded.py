@@ -34,7 +34,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -84,21 +84,25 @@ def corpus_documents(seed: int = 0, median_chars: int = 1600, sigma: float = 1.1
     return docs
 
 
-def _atomic_dir(final: Path) -> tuple[Path, callable]:
+def build_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
+    """Build directory ``final`` once: ``fill(tmp)`` writes into a temporary sibling, a ``DONE``
+    marker is added and the directory is renamed into place. Concurrent builders (torchrun
+    ranks) race harmlessly: the loser drops its identical copy. Returns ``final``."""
+    if (final / "DONE").exists():
+        return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-    def commit() -> None:
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process (e.g. another torchrun rank) won the race and renamed its
-            # identical copy first; ours is redundant, so dropping it loses nothing.
-            if not (final / "DONE").exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    return tmp, commit
+    fill(tmp)
+    (tmp / "DONE").write_text("ok\n")
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        # Another process won the race and renamed its identical copy first; ours is redundant,
+        # so dropping it loses nothing.
+        if not (final / "DONE").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def write_parquet_shards(
@@ -151,25 +155,23 @@ def ensure_embedded_data(
     """Build (once) and return the embedded dataset directory (Parquet + tokenizer/)."""
     root = Path(root) if root is not None else cache_root()
     final = root / f"embedded_text_v{FORMAT_VERSION}_s{num_shards}_g{rows_per_group}"
-    if (final / "DONE").exists():
-        return final
-    tmp, commit = _atomic_dir(final)
-    docs = corpus_documents()
-    n_val = max(1, int(len(docs) * val_fraction))
-    # The validation split is the *last* documents, in a separate file: never in train.
-    train_docs, val_docs = docs[:-n_val], docs[-n_val:]
-    write_parquet_shards(train_docs, tmp, "train", num_shards, rows_per_group)
-    write_parquet_shards(val_docs, tmp, "val", 1, rows_per_group)
-    train_tokenizer(train_docs, tmp / "tokenizer")
-    info = {
-        "format_version": FORMAT_VERSION,
-        "documents": {"train": len(train_docs), "val": len(val_docs)},
-        "sources": list(SOURCES),
-    }
-    (tmp / "info.json").write_text(json.dumps(info, indent=2))
-    (tmp / "DONE").write_text("ok\n")
-    commit()
-    return final
+
+    def fill(tmp: Path) -> None:
+        docs = corpus_documents()
+        n_val = max(1, int(len(docs) * val_fraction))
+        # The validation split is the *last* documents, in a separate file: never in train.
+        train_docs, val_docs = docs[:-n_val], docs[-n_val:]
+        write_parquet_shards(train_docs, tmp, "train", num_shards, rows_per_group)
+        write_parquet_shards(val_docs, tmp, "val", 1, rows_per_group)
+        train_tokenizer(train_docs, tmp / "tokenizer")
+        info = {
+            "format_version": FORMAT_VERSION,
+            "documents": {"train": len(train_docs), "val": len(val_docs)},
+            "sources": list(SOURCES),
+        }
+        (tmp / "info.json").write_text(json.dumps(info, indent=2))
+
+    return build_atomically(final, fill)
 
 
 def embedded_tokenizer_dir(root: str | Path | None = None) -> Path:

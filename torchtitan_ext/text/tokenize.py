@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,19 +61,11 @@ PROBE_TEXTS = (
 )
 
 
-@lru_cache(maxsize=1)
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+    from torchtitan_ext.tokenizer.export import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _is_byte_level_bpe(spec: dict[str, Any]) -> str | None:
