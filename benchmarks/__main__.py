@@ -19,12 +19,17 @@ _NOT_CASES = {"common", "__main__"}
 
 
 def available() -> list[str]:
+    """Modules of this package that define ``run(args)`` (helpers such as the shared corpus
+    builder don't), found without importing them."""
     here = os.path.dirname(__file__)
-    return sorted(
-        m.name
-        for m in pkgutil.iter_modules([here])
-        if m.name not in _NOT_CASES and not m.name.startswith("_")
-    )
+    names = []
+    for m in pkgutil.iter_modules([here]):
+        if m.name in _NOT_CASES or m.name.startswith("_"):
+            continue
+        with open(os.path.join(here, f"{m.name}.py"), encoding="utf-8") as f:
+            if "\ndef run(" in f.read():
+                names.append(m.name)
+    return sorted(names)
 
 
 def main(argv: list[str] | None = None) -> int:
