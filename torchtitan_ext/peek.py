@@ -14,7 +14,8 @@ same registry, same loader Config), the tokenizer from
 ``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=config.training.seq_len,
 local_batch_size=, snapshot_every_n_steps=)`` with the batch size and snapshot interval computed as
 the trainer does, and ``[staging] enable`` wraps it like ``ExtTrainer`` (``--no-staging`` opts out).
-No model, optimizer or process group is built. See :func:`build_loader`.
+No model, optimizer or process group is built. See
+:func:`torchtitan_ext.loaders.integration.build_loader` (shared with any other tool).
 
 Batch files (``--out``). One ``np.savez`` archive, readable with ``np.load(f, allow_pickle=False)``:
 batch ``i``'s tensors under ``"{i}/{key}"``, where ``key`` flattens the batch generically — a
@@ -57,7 +58,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import sys
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -66,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from torchtitan_ext.loaders.integration import build_loader, build_tokenizer
 
 logger = logging.getLogger("torchtitan_ext.peek")
 
@@ -417,104 +419,6 @@ def check_paths(loader_cfg: Any, file: str = "<config>", section: str = "dataloa
                 f"(loader {loader_name(loader_cfg)!r}); fix [{section}] {key} or pass "
                 f"--{section}.{key} PATH"
             )
-
-
-def build_tokenizer(cfg: Any) -> Any | None:
-    """``config.tokenizer.build(tokenizer_path=config.hf_assets_path)`` as the trainer does.
-
-    Where the trainer would fail (no tokenizer under ``hf_assets_path``, e.g. a loader-only VL
-    config) peek warns and passes ``tokenizer=None``: loaders that carry their own tokenizer or
-    processor still build; a loader that needs the trainer's tokenizer fails with its own error.
-    """
-    tok_cfg = getattr(cfg, "tokenizer", None)
-    if tok_cfg is None:
-        return None
-    try:
-        return tok_cfg.build(tokenizer_path=cfg.hf_assets_path)
-    except (OSError, ValueError) as e:
-        # Not swallowed silently: logged, and the loader decides whether it needs one.
-        logger.warning(
-            "hf_assets_path=%r: no tokenizer (%s: %s); training would stop here. "
-            "Building the loader with tokenizer=None.",
-            cfg.hf_assets_path,
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
-        )
-        return None
-
-
-_BUILD: Any = object()  # sentinel: "build the trainer's tokenizer" (None is a valid tokenizer)
-
-
-def build_loader(
-    cfg: Any,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-    *,
-    tokenizer: Any = _BUILD,
-    staging: bool | None = None,
-    validator: bool = False,
-) -> Any:
-    """Build ``cfg.dataloader`` exactly as ``torchtitan.trainer.Trainer.__init__`` does.
-
-    Batch size: ``parallelism.pipeline_parallel_microbatch_size`` with pipeline parallelism,
-    else ``training.local_batch_size``. ``snapshot_every_n_steps``: ``checkpoint.interval`` x
-    gradient-accumulation steps x pipeline microbatches when checkpointing, else None (the
-    gradient-accumulation steps follow ``training.global_batch_size`` over ``dp_world_size``).
-    ``staging`` (None: ``[staging] enable``) wraps the loader like ``ExtTrainer``.
-    ``tokenizer`` left out builds the trainer's (:func:`build_tokenizer`).
-    ``validator=True`` builds ``[validator.dataloader]`` as torchtitan's Validator does:
-    ``replace(config, infinite=validator.steps != -1)``, no snapshot interval, no staging.
-    """
-    if not 0 <= dp_rank < dp_world_size:
-        raise PeekConfigError(f"--dp-rank {dp_rank} is not in [0, --dp-world-size {dp_world_size})")
-    if tokenizer is _BUILD:
-        tokenizer = build_tokenizer(cfg)
-    par, tr = cfg.parallelism, cfg.training
-    pp_enabled = int(getattr(par, "pipeline_parallel_degree", 1)) > 1
-    batch_size = par.pipeline_parallel_microbatch_size if pp_enabled else tr.local_batch_size
-    snapshot = None
-    if cfg.checkpoint.enable:
-        global_bs = tr.global_batch_size
-        if global_bs < 0:
-            global_bs = tr.local_batch_size * dp_world_size
-        grad_accum = max(1, global_bs // (tr.local_batch_size * dp_world_size))
-        pp_micro = tr.local_batch_size // par.pipeline_parallel_microbatch_size if pp_enabled else 1
-        snapshot = cfg.checkpoint.interval * grad_accum * pp_micro
-    loader_cfg = cfg.dataloader
-    kwargs: dict[str, Any] = {"snapshot_every_n_steps": snapshot}
-    if validator:
-        from dataclasses import replace
-
-        vcfg = cfg.validator
-        loader_cfg = replace(vcfg.dataloader, infinite=vcfg.steps != -1)
-        kwargs = {}  # the Validator passes no snapshot interval
-        staging = False  # ExtTrainer stages only the training loader
-    if staging is None:
-        staging = bool(cfg.staging.enable)
-    set_local_rank = False
-    if staging:
-        from torchtitan_ext.loaders.integration import StagedLoaderConfig
-
-        loader_cfg = StagedLoaderConfig(loader_cfg, cfg.staging)
-        # torchtitan's get_local_device() reads LOCAL_RANK (torchrun sets it); a lone peek process
-        # is local rank 0, as the train launcher assumes. Set only for the build, then removed, so
-        # an in-process caller's environment is left as it was.
-        set_local_rank = "LOCAL_RANK" not in os.environ
-        if set_local_rank:
-            os.environ["LOCAL_RANK"] = "0"
-    try:
-        return loader_cfg.build(
-            dp_world_size=dp_world_size,
-            dp_rank=dp_rank,
-            tokenizer=tokenizer,
-            seq_len=tr.seq_len,
-            local_batch_size=batch_size,
-            **kwargs,
-        )
-    finally:
-        if set_local_rank:
-            os.environ.pop("LOCAL_RANK", None)
 
 
 def close_loader(loader: Any) -> None:

@@ -4,6 +4,9 @@
   builds the dataloader, so the built loader comes back wrapped in ``AsyncDeviceLoader``
   (``[staging] enable = true``) and the checkpointer sees the wrapper (whose ``state_dict``
   accounts for batches in flight).
+- :func:`build_tokenizer` / :func:`build_loader` — build a config's tokenizer and loader with
+  exactly the arguments ``torchtitan.trainer.Trainer.__init__`` passes (batch size, snapshot
+  interval, staging), for tools that need the training loader without a trainer (peek).
 - :func:`attach_stats_logging` — appends the loader's ``get_stats()`` (data-wait ms, queue depth …)
   to torchtitan's per-step log line and to its metrics backends (TensorBoard / W&B).
 """
@@ -11,7 +14,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 STATS_PREFIX = "data/"
 
@@ -133,3 +139,99 @@ def attach_stats_logging(trainer: Any) -> None:
 
     mp.log = log
     trainer._ext_stats_filter = flt
+
+
+def build_tokenizer(cfg: Any) -> Any | None:
+    """``config.tokenizer.build(tokenizer_path=config.hf_assets_path)`` as the trainer does.
+
+    Where the trainer would fail (no tokenizer under ``hf_assets_path``, e.g. a loader-only VL
+    config) this warns and passes ``tokenizer=None``: loaders that carry their own tokenizer or
+    processor still build; a loader that needs the trainer's tokenizer fails with its own error.
+    """
+    tok_cfg = getattr(cfg, "tokenizer", None)
+    if tok_cfg is None:
+        return None
+    try:
+        return tok_cfg.build(tokenizer_path=cfg.hf_assets_path)
+    except (OSError, ValueError) as e:
+        # Not swallowed silently: logged, and the loader decides whether it needs one.
+        logger.warning(
+            "hf_assets_path=%r: no tokenizer (%s: %s); training would stop here. "
+            "Building the loader with tokenizer=None.",
+            cfg.hf_assets_path,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
+        return None
+
+
+_BUILD: Any = object()  # sentinel: "build the trainer's tokenizer" (None is a valid tokenizer)
+
+
+def build_loader(
+    cfg: Any,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    *,
+    tokenizer: Any = _BUILD,
+    staging: bool | None = None,
+    validator: bool = False,
+) -> Any:
+    """Build ``cfg.dataloader`` exactly as ``torchtitan.trainer.Trainer.__init__`` does.
+
+    Batch size: ``parallelism.pipeline_parallel_microbatch_size`` with pipeline parallelism,
+    else ``training.local_batch_size``. ``snapshot_every_n_steps``: ``checkpoint.interval`` x
+    gradient-accumulation steps x pipeline microbatches when checkpointing, else None (the
+    gradient-accumulation steps follow ``training.global_batch_size`` over ``dp_world_size``).
+    ``staging`` (None: ``[staging] enable``) wraps the loader like ``ExtTrainer``.
+    ``tokenizer`` left out builds the trainer's (:func:`build_tokenizer`).
+    ``validator=True`` builds ``[validator.dataloader]`` as torchtitan's Validator does:
+    ``replace(config, infinite=validator.steps != -1)``, no snapshot interval, no staging.
+    """
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world_size {dp_world_size})")
+    if tokenizer is _BUILD:
+        tokenizer = build_tokenizer(cfg)
+    par, tr = cfg.parallelism, cfg.training
+    pp_enabled = int(getattr(par, "pipeline_parallel_degree", 1)) > 1
+    batch_size = par.pipeline_parallel_microbatch_size if pp_enabled else tr.local_batch_size
+    snapshot = None
+    if cfg.checkpoint.enable:
+        global_bs = tr.global_batch_size
+        if global_bs < 0:
+            global_bs = tr.local_batch_size * dp_world_size
+        grad_accum = max(1, global_bs // (tr.local_batch_size * dp_world_size))
+        pp_micro = tr.local_batch_size // par.pipeline_parallel_microbatch_size if pp_enabled else 1
+        snapshot = cfg.checkpoint.interval * grad_accum * pp_micro
+    loader_cfg = cfg.dataloader
+    kwargs: dict[str, Any] = {"snapshot_every_n_steps": snapshot}
+    if validator:
+        from dataclasses import replace
+
+        vcfg = cfg.validator
+        loader_cfg = replace(vcfg.dataloader, infinite=vcfg.steps != -1)
+        kwargs = {}  # the Validator passes no snapshot interval
+        staging = False  # ExtTrainer stages only the training loader
+    if staging is None:
+        staging = bool(cfg.staging.enable)
+    set_local_rank = False
+    if staging:
+        loader_cfg = StagedLoaderConfig(loader_cfg, cfg.staging)
+        # torchtitan's get_local_device() reads LOCAL_RANK (torchrun sets it); a lone process (peek, tools)
+        # is local rank 0, as the train launcher assumes. Set only for the build, then removed, so
+        # an in-process caller's environment is left as it was.
+        set_local_rank = "LOCAL_RANK" not in os.environ
+        if set_local_rank:
+            os.environ["LOCAL_RANK"] = "0"
+    try:
+        return loader_cfg.build(
+            dp_world_size=dp_world_size,
+            dp_rank=dp_rank,
+            tokenizer=tokenizer,
+            seq_len=tr.seq_len,
+            local_batch_size=batch_size,
+            **kwargs,
+        )
+    finally:
+        if set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
