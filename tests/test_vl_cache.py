@@ -254,28 +254,20 @@ def test_two_ranks_equal_one_rank(env, tmp_path, built):
     assert _content_files(k2) == _content_files(built)
 
 
+def _preprocess_cli(env, rows_per_shard: int) -> list[str]:
+    """The preprocess_cached command line of the subprocess tests (cache dir added by each)."""
+    return [
+        sys.executable, "-m", "torchtitan_ext.vl.preprocess", "--dataset", str(env["ds"]),
+        "--seq-len", str(SEQ), "--buffer-size", "8", "--rows-per-shard", str(rows_per_shard),
+        "--num-workers", "0", "--quiet", "--buckets", "512,768",
+    ]  # fmt: skip
+
+
 @pytest.mark.integration
 def test_sigkill_resume_is_byte_identical(env, tmp_path):
     """Kill a CLI build with SIGKILL mid-way, restart with the same args: same bytes as a clean
     build, and the shards completed before the kill are not rebuilt."""
-    args = [
-        sys.executable,
-        "-m",
-        "torchtitan_ext.vl.preprocess",
-        "--dataset",
-        str(env["ds"]),
-        "--seq-len",
-        str(SEQ),
-        "--buffer-size",
-        "8",
-        "--rows-per-shard",
-        "2",
-        "--num-workers",
-        "0",
-        "--quiet",
-        "--buckets",
-        "512,768",
-    ]
+    args = _preprocess_cli(env, rows_per_shard=2)
     killed = tmp_path / "killed"
     e = dict(os.environ)
     proc = subprocess.Popen(
@@ -377,23 +369,7 @@ def test_local_split_selection(env, tmp_path):
 def test_two_ranks_via_env_cli(env, tmp_path, built, monkeypatch):
     """RANK/WORLD_SIZE from the environment, as torchrun sets them: rank 1 is a CLI subprocess,
     rank 0 runs here; the finished cache equals the single-process one byte for byte."""
-    cli = [
-        sys.executable,
-        "-m",
-        "torchtitan_ext.vl.preprocess",
-        "--dataset",
-        str(env["ds"]),
-        "--seq-len",
-        str(SEQ),
-        "--buffer-size",
-        "8",
-        "--rows-per-shard",
-        "16",
-        "--num-workers",
-        "0",
-        "--quiet",
-        "--buckets",
-        "512,768",
+    cli = _preprocess_cli(env, rows_per_shard=16) + [
         "--cache-dir",
         str(tmp_path),
     ]

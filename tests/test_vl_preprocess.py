@@ -31,27 +31,18 @@ def env(tmp_path_factory):
         os.environ["TORCHTITAN_EXT_CACHE"] = old
 
 
+def _cli_args(env) -> list[str]:
+    """The preprocess_cached arguments every test here builds its cache with."""
+    return [
+        "--dataset", str(env["ds"]), "--cache-dir", str(env["root"] / "c"),
+        "--seq-len", "1024", "--buffer-size", "8", "--num-workers", "0", "--quiet",
+        "--buckets", "512,768", "--rows-per-shard", "16",
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def built(env):
-    rc = PP.main(
-        [
-            "--dataset",
-            str(env["ds"]),
-            "--cache-dir",
-            str(env["root"] / "c"),
-            "--seq-len",
-            "1024",
-            "--buffer-size",
-            "8",
-            "--num-workers",
-            "0",
-            "--quiet",
-            "--buckets",
-            "512,768",
-            "--rows-per-shard",
-            "16",
-        ]
-    )
+    rc = PP.main(_cli_args(env))
     assert rc == 0
     (kdir,) = [p for p in (env["root"] / "c").iterdir() if p.is_dir()]
     return kdir
@@ -78,25 +69,7 @@ def test_sample_dataset_is_deterministic(tmp_path):
 
 
 def test_preprocess_cli_output_and_reuse(env, built, capsys):
-    rc = PP.main(
-        [
-            "--dataset",
-            str(env["ds"]),
-            "--cache-dir",
-            str(env["root"] / "c"),
-            "--seq-len",
-            "1024",
-            "--buffer-size",
-            "8",
-            "--num-workers",
-            "0",
-            "--quiet",
-            "--buckets",
-            "512,768",
-            "--rows-per-shard",
-            "16",
-        ]
-    )
+    rc = PP.main(_cli_args(env))
     out = capsys.readouterr().out
     assert rc == 0 and str(built) in out and "skipped" in out
 
