@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from torchtitan_ext.data.embedded import ensure_embedded_data
 from torchtitan_ext.text.errors import BadInputError
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
+from torchtitan_ext.text.priority import can_leave_idle
 from torchtitan_ext.text.tokenize import TextTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -457,3 +460,46 @@ def test_add_eos_appends_exactly_one_eos_per_document(tmp_path, tok):
         for i, t in enumerate(row[1:], 1):
             if t == tok.bos_id:
                 assert row[i - 1] == tok.eos_id  # each document ends with one EOS
+
+
+# ---------------------------------------------------------------------------- thread policy
+@pytest.mark.skipif(
+    not (hasattr(os, "SCHED_IDLE") and can_leave_idle()),
+    reason="this process may not leave SCHED_IDLE (no CAP_SYS_NICE)",
+)
+def test_adaptive_priority_idles_when_full_and_recovers_when_behind(data_dir, tok):
+    # Slow storage and big batches: a fast consumer is sure to drain the queue below its
+    # promotion point before the producer can refill it.
+    with _loader(
+        data_dir, tok, seq_len=512, batch_size=8, read_ahead=0, read_delay_s=0.3, queue_size=4
+    ) as loader:
+        it = iter(loader)
+        next(it)
+        p = loader._producer_ref[0]
+        deadline = time.monotonic() + 30
+        while not loader.get_stats()["threads_idle"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loader.get_stats()["threads_idle"] == 1
+        assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_IDLE
+        for _ in range(40):
+            next(it)
+            if not loader.get_stats()["threads_idle"]:
+                break
+        stats = loader.get_stats()
+        assert stats["threads_idle"] == 0 and stats["priority_switches"] >= 2
+        assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_OTHER
+
+
+def test_normal_priority_leaves_the_threads_alone(data_dir, tok):
+    with _loader(data_dir, tok, thread_priority="normal") as loader:
+        it = iter(loader)
+        for _ in range(8):
+            next(it)
+        time.sleep(0.2)  # the queue (4) fills
+        p = loader._producer_ref[0]
+        assert loader.get_stats()["threads_idle"] == 0
+        assert loader.get_stats()["priority_switches"] == 0
+        if hasattr(os, "sched_getscheduler"):
+            assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_OTHER
+    with pytest.raises(ValueError, match="thread_priority"):
+        _loader(data_dir, tok, thread_priority="low")

@@ -91,11 +91,17 @@ class PrefetchSection:
     """Documents held by the best-fit packer to choose from (seed: ``bos_dataloader_buffer_size``,
     1000). Larger lowers the crop rate."""
 
+    thread_priority: str | None = None
+    """OS scheduling policy of the background threads: ``"adaptive"`` (loader default:
+    ``SCHED_IDLE`` while the queue is full, normal when it runs low, where the process may switch
+    back), ``"idle"`` or ``"normal"``."""
+
     # section field -> field of the loader Config (PrefetchingParquetDataLoader.Config)
     _targets: ClassVar[dict[str, str]] = {
         "queue_size": "queue_size",
         "tokenizer_batch_size": "chunk_rows",
         "buffer_size": "buffer_docs",
+        "thread_priority": "thread_priority",
     }
 
 

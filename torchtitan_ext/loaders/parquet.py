@@ -85,6 +85,14 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         tokenization stays on the loader's one thread instead of a pool spanning every core that
         the training loop then waits on (p99 next() 8-17 ms vs <1 ms measured on 2 cores)."""
 
+        thread_priority: str = "adaptive"
+        """OS scheduling policy of the loader's threads. ``"adaptive"``: ``SCHED_IDLE`` while
+        the queue is full (a waking training thread then preempts them at once instead of queueing
+        behind them: measured on 2 cores, the loop's time lost outside ``next()`` fell from
+        ~1.5 % to ~0.2 %), normal as soon as it runs below half; used only where the process may
+        switch back (``CAP_SYS_NICE``), else normal. ``"idle"``: always idle; ``"normal"``: never
+        touched."""
+
         on_bad_input: str = "error"
         """``"error"``: raise on a bad record (naming file / row group / row); ``"skip"``: count
         it under a reason (see ``get_stats()['docs_skipped']``)."""
@@ -144,6 +152,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             chunk_rows=config.chunk_rows,
             read_ahead=config.read_ahead,
             tokenizer_parallelism=config.tokenizer_parallelism,
+            thread_priority=config.thread_priority,
             on_bad_input=config.on_bad_input,
             add_eos=config.add_eos,
         )

@@ -49,7 +49,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,19 +326,28 @@ class ParquetSource:
                 yield epoch, p, self.row_groups[order[p]]
             epoch, pos = epoch + 1, 0
 
-    def iter_chunks(self, cursor: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Chunk]:
+    def iter_chunks(
+        self,
+        cursor: tuple[int, int, int] = (0, 0, 0),
+        thread_init: Callable[[], None] | None = None,
+    ) -> Iterator[Chunk]:
         """Chunks from ``cursor`` on; infinite unless ``infinite=False`` (then one epoch).
 
         With ``read_ahead > 0`` the next row groups are read by ``read_ahead`` helper threads
         while the caller tokenizes the current one (consumed in order): Parquet reads release the
         GIL, so slow storage is hidden while ``read_ahead`` reads outpace tokenization. The helper is shut
-        down when the generator is closed (or garbage-collected)."""
+        down when the generator is closed (or garbage-collected). ``thread_init`` runs first in
+        each helper thread (the prefetching loader uses it to set their scheduling policy)."""
         epoch, pos, row = (int(x) for x in cursor)
         if not self.infinite and epoch > 0:
             return
         positions = self._positions(epoch, pos)
         pool = (
-            ThreadPoolExecutor(self.read_ahead, thread_name_prefix=f"parquet-read-dp{self.dp_rank}")
+            ThreadPoolExecutor(
+                self.read_ahead,
+                thread_name_prefix=f"parquet-read-dp{self.dp_rank}",
+                initializer=thread_init,
+            )
             if self.read_ahead > 0
             else None
         )

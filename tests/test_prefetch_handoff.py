@@ -1,0 +1,187 @@
+"""The prefetching loader's hand-off to the training loop: the ready queue (whose get never wakes
+the producer; hysteresis refill; prompt stop) and the adaptive scheduling policy of its threads."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from torchtitan_ext.text import priority as prio
+from torchtitan_ext.text.prefetch import _ReadyQueue
+from torchtitan_ext.text.priority import ThreadGroupPriority, can_leave_idle
+
+linux_only = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+needs_cap = pytest.mark.skipif(
+    not (hasattr(os, "SCHED_IDLE") and can_leave_idle()),
+    reason="this process may not leave SCHED_IDLE (no CAP_SYS_NICE)",
+)
+
+
+class FakePriority:
+    def __init__(self) -> None:
+        self.idle = False
+        self.calls: list[bool] = []
+
+    def set_idle(self, idle: bool) -> None:
+        self.calls.append(idle)
+        self.idle = idle
+
+
+def _wait_for(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.002)
+    return cond()
+
+
+# ---------------------------------------------------------------------------- ready queue
+def test_get_is_fifo_and_an_empty_get_times_out_or_is_woken_by_put():
+    q = _ReadyQueue(4, FakePriority())
+    stop = threading.Event()
+    for i in range(3):
+        assert q.put(i, stop)
+    assert [q.get(0.1) for _ in range(3)] == [0, 1, 2]
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(0.05)
+    assert time.monotonic() - t0 >= 0.04
+    threading.Timer(0.05, q.put, args=("late", stop)).start()
+    assert q.get(5.0) == "late"
+
+
+def test_full_queue_refills_only_after_draining_to_the_low_watermark():
+    q = _ReadyQueue(4, FakePriority())  # low = 2
+    stop = threading.Event()
+    for i in range(4):
+        q.put(i, stop)
+    done = threading.Event()
+    threading.Thread(target=lambda: (q.put(4, stop), done.set()), daemon=True).start()
+    assert q.get(0.1) == 0  # 3 left: above the low watermark, the producer keeps sleeping
+    assert not done.wait(0.2) and q.qsize() == 3
+    assert q.get(0.1) == 1  # 2 left: refill
+    assert done.wait(5.0) and q.qsize() == 3
+    assert [q.get(0.1) for _ in range(3)] == [2, 3, 4]
+
+
+def test_stop_ends_a_put_on_a_full_queue_with_no_consumer():
+    q = _ReadyQueue(1, FakePriority())
+    stop = threading.Event()
+    assert q.put("a", stop)
+    result = []
+    t = threading.Thread(target=lambda: result.append(q.put("b", stop)))
+    t.start()
+    time.sleep(0.05)
+    stop.set()
+    t.join(2.0)
+    assert not t.is_alive() and result == [False] and q.qsize() == 1
+
+
+def test_queue_drives_the_policy_idle_when_full_normal_when_falling_behind():
+    fp = FakePriority()
+    q = _ReadyQueue(8, fp)  # low 4, promote_at 2
+    stop = threading.Event()
+    for i in range(7):
+        q.put(i, stop)
+    assert fp.calls == []
+    q.put(7, stop)
+    assert fp.calls == [True]  # full: idle
+    for _ in range(5):  # sizes before each get: 8..4 (the normal refill cycle): stays idle
+        q.get(0.1)
+    assert fp.calls == [True]
+    q.get(0.1)  # size 3: still idle
+    q.get(0.1)  # size 2 (= promote_at): the producer is not keeping up, back to normal
+    assert fp.calls == [True, False]
+
+
+# ---------------------------------------------------------------------------- thread policy
+def test_priority_modes_are_validated():
+    with pytest.raises(ValueError, match="adaptive"):
+        ThreadGroupPriority("low")
+
+
+def _policy(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+def _group_thread(group: ThreadGroupPriority, ready: threading.Event, go: threading.Event, out):
+    group.join_current_thread()
+    out.append(threading.get_native_id())
+    ready.set()
+    go.wait(10)
+    group.leave_current_thread()
+
+
+@linux_only
+def test_normal_mode_never_touches_the_policy():
+    g = ThreadGroupPriority("normal")
+    ready, go, out = threading.Event(), threading.Event(), []
+    t = threading.Thread(target=_group_thread, args=(g, ready, go, out))
+    t.start()
+    ready.wait(5)
+    g.set_idle(True)
+    assert not g.active and _policy(out[0]) == os.SCHED_OTHER
+    go.set()
+    t.join()
+
+
+@needs_cap
+def test_adaptive_group_switches_every_member_both_ways():
+    g = ThreadGroupPriority("adaptive")
+    assert g.active and not g.idle
+    evs = [(threading.Event(), threading.Event(), []) for _ in range(3)]
+    ts = [threading.Thread(target=_group_thread, args=(g, *e)) for e in evs]
+    for t in ts:
+        t.start()
+    for ready, _, _ in evs:
+        ready.wait(5)
+    tids = [out[0] for _, _, out in evs]
+    g.set_idle(True)
+    assert g.idle and all(_policy(t) == os.SCHED_IDLE for t in tids)
+    g.set_idle(True)  # no-op
+    g.set_idle(False)
+    assert not g.idle and all(_policy(t) == os.SCHED_OTHER for t in tids)
+    assert g.switches == 2
+    for _, go, _ in evs:
+        go.set()
+    for t in ts:
+        t.join()
+    g.close()
+    g.set_idle(True)  # closed: nothing left to switch, and no error
+    assert not g.idle
+
+
+@linux_only
+def test_adaptive_stays_normal_where_the_switch_back_is_not_allowed(monkeypatch):
+    monkeypatch.setattr(prio, "_probe_result", False)
+    g = ThreadGroupPriority("adaptive")
+    ready, go, out = threading.Event(), threading.Event(), []
+    t = threading.Thread(target=_group_thread, args=(g, ready, go, out))
+    t.start()
+    ready.wait(5)
+    g.set_idle(True)
+    assert not g.active and not g.idle and _policy(out[0]) == os.SCHED_OTHER
+    go.set()
+    t.join()
+
+
+@linux_only
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_probe_says_no_for_an_unprivileged_process():
+    code = "from torchtitan_ext.text.priority import can_leave_idle; print(can_leave_idle())"
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+    cmd += ["--bounding-set=-all", sys.executable, "-c", code]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
