@@ -27,6 +27,9 @@ enlarged to ``mb`` MB of long-tailed documents) with the same GPT-2 tokenizer, B
    the GIL or a CPU when it wakes up), minus the same figure for the loop around an iterator that
    costs nothing (the sleep's own overshoot, ~0.8 % here), measured right after each loader.
    "ours, normal priority" is our loader without the adaptive ``SCHED_IDLE`` policy.
+3. The same with a CPU-bound training loop (matmuls on every core instead of a sleep, steps 3x
+   as long, i.e. 1/6 of the loader's capacity), for each ``thread_priority``: where ``"idle"``
+   starves and ``"adaptive"`` must not.
 
 Options (``--set key=value``): ``mb`` (40; quick 3), ``batches`` (200; quick 15), ``steps`` (300;
 quick 15), ``warmup`` (20; quick 3), ``delay_ms`` (50), ``workers1`` (1: also torchtitan with a
@@ -140,8 +143,21 @@ def throughput(make: Callable[[], Any], batches: int, warmup: int) -> dict[str, 
     return {"wall_tps": ntok / wall, "cpu_tps": ntok / cpu, "s_per_batch": wall / batches}
 
 
+def _busy(seconds: float) -> None:
+    """A CPU-bound "step": matmuls on torch's intra-op threads (every core) for ``seconds``."""
+    a = _busy.__dict__.setdefault("a", torch.randn(384, 384))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+
+
 def data_wait(
-    make: Callable[[], Any], steps: int, warmup: int, cap_batches: int, step_s: float | None = None
+    make: Callable[[], Any],
+    steps: int,
+    warmup: int,
+    cap_batches: int,
+    step_s: float | None = None,
+    step: Callable[[float], None] = time.sleep,
 ) -> dict[str, float]:
     """Consumer at 50 % of the loader's capacity. The capacity is measured in situ right before
     (``cap_batches`` drained as fast as possible after ``warmup``), because the load on a shared
@@ -173,7 +189,7 @@ def data_wait(
             lat.append(time.perf_counter() - t0)
             if i % 50 == 49:
                 gc.collect(1)
-            time.sleep(step_s)  # the "GPU step"
+            step(step_s)  # the "GPU step"
         total = time.perf_counter() - t_start
     finally:
         gc.enable()
@@ -308,4 +324,22 @@ def run(args: BenchArgs) -> list[Row]:
         for name in wait_makers:
             if name != "ours":
                 compare(rows, f"wait share ours{storage}", f"wait share {name}{storage}")
+
+    # -------- a CPU-bound training loop (matmuls on every core between next() calls, at 1/6 of
+    # ours' capacity, so that a fair share of the CPUs is plenty for the loader): SCHED_IDLE threads only get CPU time nobody else wants, so "idle" starves here,
+    # and "adaptive" must fall back to normal when the queue runs low.
+    for policy in ("adaptive", "idle", "normal"):
+        mk = lambda p=policy: PrefetchingParquetLoader(  # noqa: E731
+            corpus, tok, seq_len=T, batch_size=B, val_files="none", thread_priority=p
+        )
+        res = data_wait(mk, steps, warm, cap_batches, 3 * steps_of["ours"], step=_busy)
+        rows.append(
+            Row(
+                f"wait share CPU-bound loop, {policy}",
+                res["wait_pct"],
+                "%",
+                higher_is_better=False,
+                info=res,
+            )
+        )
     return rows

@@ -47,20 +47,18 @@ Pipeline and its invariants:
   from a step, then waits for a time slice (measured: p99 ``next()`` 8-17 ms instead of <1 ms on a
   2-core machine, with no gain in tokens/s there). ``tokenizer_parallelism=True`` opts out.
 
-Measured (``python -m benchmarks text_loaders``; shared 2-core box, GPT-2 tokenizer, 40 MB
-long-tailed corpus, B=8, T=2048; ranges over the last three full runs):
+Measured (``python -m benchmarks text_loaders``; shared 2-core VM, GPT-2 tokenizer, 40 MB
+long-tailed corpus, B=8, T=2048; ranges over two full runs):
 
-* Tokens/s: 1.11-1.30 M/s wall and 1.17-1.33 M per CPU-second, vs torchtitan 0.3.0's
-  ``HuggingFaceTextDataLoader`` 0.89-0.93 M (1.25-1.43x) and a synchronous read+encode loop with
-  the same packer 1.22-1.36 M. All are bound by the tokenizer itself (GPT-2 BPE in
-  ``tokenizers``: ~1.1-1.2 M tokens per CPU-second on this text, mostly pre-tokenization), which
-  caps any loader's per-core gain over torchtitan at ~1.4x; the thread buys overlap, not tokens
-  per core.
+* Tokens per CPU-second: 3.67-3.71 M, vs torchtitan 0.3.0's ``HuggingFaceTextDataLoader``
+  0.94-1.0 M (3.70-3.89x); with the ``tokenizers`` engine 1.35-1.42 M (the engine, not the
+  thread, buys tokens per core: the thread buys overlap).
 * Data-wait with a consumer at 50 % of capacity (GC handled as torchtitan's trainer does): wait
-  share 0.41-0.84 % (synchronous loader ~40 %, torchtitan ~35 %, torchtitan with one worker
-  process 3-8 %), ``next()`` p50 0.04-0.06 ms, p99 1.0-3.4 ms — the p99 tail follows the other
-  load on the shared machine (quiet standalone runs: 0.3 %, p99 0.4 ms). With 50 ms per
-  row-group read (slow storage): 0.48-0.82 % wait, p99 1.2-2.6 ms (read-ahead hides the reads).
+  share 0.06-0.13 % (synchronous loader ~40 %, torchtitan ~36 %, torchtitan with one worker
+  process 1.8-2.8 %), ``next()`` p50 3-8 us, p99 16-43 us; the training loop loses no measurable
+  time outside ``next()``. With 50 ms per row-group read (slow storage, hidden by read-ahead):
+  0.05-0.09 %, p99 11-16 us. At the normal thread policy (no ``CAP_SYS_NICE``): 0.12-0.34 %,
+  p99 0.04-0.13 ms, and the loop loses 0.5-0.9 % of its time outside ``next()``.
 """
 
 from __future__ import annotations

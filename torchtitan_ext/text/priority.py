@@ -1,20 +1,22 @@
 """OS scheduling policy for a loader's background threads: get out of the training thread's way.
 
 Why. A background loader thread shares the CPUs (and the GIL) with the training loop. Traced with
-``perf sched`` on a 2-vCPU VM: when the training thread wakes from its step and our producer holds
-the GIL, the producer's GIL release wakes the training thread *onto the producer's CPU*, where it
-waits as runnable behind the still-busy producer (until the next 4 ms tick) while the other CPU
-idles. Measured with ``python -m benchmarks text_loaders`` (consumer at 50 % of capacity): the
-training loop lost 1.3-2 % of its time this way (outside ``next()``, on top of the ~0.8 % sleep
-overshoot of an empty loop) and ``next()`` had 1-6 ms stalls a few times per 300 steps.
+``perf sched`` on a 2-vCPU VM: when the training thread wakes from its step while our producer
+holds the GIL, the producer's GIL release wakes the training thread *onto the producer's CPU*,
+where it waits, runnable, behind the still-busy producer (up to the next 4 ms tick) while the
+other CPU idles. Measured with ``python -m benchmarks text_loaders`` (consumer at 50 % of
+capacity), with the ready-queue hand-off and ``sched_yield`` of :mod:`~torchtitan_ext.text.prefetch`
+already in place, at the normal policy the training loop still lost 0.5-0.9 % of its time this way
+(outside ``next()``, beyond an empty loop's sleep overshoot), and ``next()`` had p99 0.04-0.13 ms.
 
-With the producer and its readers in ``SCHED_IDLE`` the kernel lets a waking normal thread
-preempt them at once and treats a CPU running only them as idle when placing a wakee: the extra
-loss fell to 0-0.3 % and the worst ``next()`` to <0.11 ms in every run. ``SCHED_IDLE`` threads,
-however, only run on CPU time nobody else wants, so a training process that keeps every core busy
-would starve them. Hence the default, ``"adaptive"``: idle while the ready queue is full, back to
-normal as soon as the consumer finds it below half (its low watermark), i.e. whenever the loader
-is at risk of falling behind.
+With the producer and its readers at ``SCHED_IDLE`` the kernel lets a waking normal thread
+preempt them at once and treats a CPU running only them as idle when placing a wakee: the loss
+fell to 0 (-0.09 to +0.08 %) and p99 ``next()`` to 11-43 us. ``SCHED_IDLE`` threads, however, only
+run on CPU time nobody else wants, so a training process that keeps every core busy starves them
+(measured: a consumer running 2-thread matmuls between steps waited 17 % of its time with
+``"idle"``, 0.1 % with ``"adaptive"`` or ``"normal"``). Hence the default, ``"adaptive"``: idle
+while the ready queue is full, back to normal as soon as the consumer finds it at a quarter of its
+capacity (half of the refill point), i.e. whenever the loader is at risk of falling behind.
 
 Leaving ``SCHED_IDLE`` needs ``CAP_SYS_NICE`` (or ``RLIMIT_NICE`` >= 20); Linux refuses it to
 unprivileged threads. ``"adaptive"`` therefore probes once per process (in a throwaway thread)
