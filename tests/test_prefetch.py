@@ -423,6 +423,8 @@ def test_text_loaders_benchmark_quick_smoke(tmp_path, monkeypatch):
         assert rows[f"tokens/s wall {name}"].value > 0
     assert rows["wait share ours"].unit == "%"
     assert "next() p99 ours slow storage" in rows
+    assert "loop time lost ours, normal priority" in rows
+    assert {f"wait share CPU-bound loop, {p}" for p in ("adaptive", "idle", "normal")} <= set(rows)
 
 
 def test_tokenizer_parallelism_default_respects_user_setting(data_dir, tok, monkeypatch):

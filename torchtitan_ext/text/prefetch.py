@@ -48,17 +48,17 @@ Pipeline and its invariants:
   2-core machine, with no gain in tokens/s there). ``tokenizer_parallelism=True`` opts out.
 
 Measured (``python -m benchmarks text_loaders``; shared 2-core VM, GPT-2 tokenizer, 40 MB
-long-tailed corpus, B=8, T=2048; ranges over two full runs):
+long-tailed corpus, B=8, T=2048; ranges over three full runs):
 
 * Tokens per CPU-second: 3.67-3.71 M, vs torchtitan 0.3.0's ``HuggingFaceTextDataLoader``
-  0.94-1.0 M (3.70-3.89x); with the ``tokenizers`` engine 1.35-1.42 M (the engine, not the
+  0.94-1.0 M (3.70-3.89x); with the ``tokenizers`` engine 1.33-1.42 M (the engine, not the
   thread, buys tokens per core: the thread buys overlap).
 * Data-wait with a consumer at 50 % of capacity (GC handled as torchtitan's trainer does): wait
-  share 0.06-0.13 % (synchronous loader ~40 %, torchtitan ~36 %, torchtitan with one worker
+  share 0.06-0.13 % (synchronous loader ~40 %, torchtitan 26-37 %, torchtitan with one worker
   process 1.8-2.8 %), ``next()`` p50 3-8 us, p99 16-43 us; the training loop loses no measurable
   time outside ``next()``. With 50 ms per row-group read (slow storage, hidden by read-ahead):
-  0.05-0.09 %, p99 11-16 us. At the normal thread policy (no ``CAP_SYS_NICE``): 0.12-0.34 %,
-  p99 0.04-0.13 ms, and the loop loses 0.5-0.9 % of its time outside ``next()``.
+  0.05-0.13 %, p99 11-34 us. At the normal thread policy (no ``CAP_SYS_NICE``): 0.06-0.34 %,
+  p99 0.015-0.13 ms, and the loop loses 0.5-0.9 % of its time outside ``next()``.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ where it waits, runnable, behind the still-busy producer (up to the next 4 ms ti
 other CPU idles. Measured with ``python -m benchmarks text_loaders`` (consumer at 50 % of
 capacity), with the ready-queue hand-off and ``sched_yield`` of :mod:`~torchtitan_ext.text.prefetch`
 already in place, at the normal policy the training loop still lost 0.5-0.9 % of its time this way
-(outside ``next()``, beyond an empty loop's sleep overshoot), and ``next()`` had p99 0.04-0.13 ms.
+(outside ``next()``, beyond an empty loop's sleep overshoot), and ``next()`` had p99 0.015-0.13 ms.
 
 With the producer and its readers at ``SCHED_IDLE`` the kernel lets a waking normal thread
 preempt them at once and treats a CPU running only them as idle when placing a wakee: the loss
-fell to 0 (-0.09 to +0.08 %) and p99 ``next()`` to 11-43 us. ``SCHED_IDLE`` threads, however, only
+fell to ~0 (-0.09 to +0.08 %) and p99 ``next()`` to 11-43 us. ``SCHED_IDLE`` threads, however, only
 run on CPU time nobody else wants, so a training process that keeps every core busy starves them
-(measured: a consumer running 2-thread matmuls between steps waited 17 % of its time with
-``"idle"``, 0.1 % with ``"adaptive"`` or ``"normal"``). Hence the default, ``"adaptive"``: idle
+(the benchmark's CPU-bound loop, matmuls on both cores between steps: 18 % of its time waiting
+with ``"idle"``, 0.03-0.04 % with ``"adaptive"`` or ``"normal"``). Hence the default, ``"adaptive"``: idle
 while the ready queue is full, back to normal as soon as the consumer finds it at a quarter of its
 capacity (half of the refill point), i.e. whenever the loader is at risk of falling behind.
 
