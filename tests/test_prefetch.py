@@ -490,6 +490,22 @@ def test_adaptive_priority_idles_when_full_and_recovers_when_behind(data_dir, to
         stats = loader.get_stats()
         assert stats["threads_idle"] == 0 and stats["priority_switches"] >= 2
         assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_OTHER
+        for _ in range(8):  # and idle again once it has caught up
+            next(it)
+            time.sleep(0.2)
+
+    # No thread of the process keeps the idle policy after close (threads started by idle
+    # members, e.g. library pools, would have inherited it). Joined threads may still be
+    # tearing down for a moment, hence the poll.
+    def idle_threads() -> list[str]:
+        tids = os.listdir("/proc/self/task")
+        return [t for t in tids if os.sched_getscheduler(int(t)) == os.SCHED_IDLE]
+
+    deadline = time.monotonic() + 5
+    while (idle := idle_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    info = [(t, open(f"/proc/self/task/{t}/comm").read().strip()) for t in idle]
+    assert not idle, f"threads left at SCHED_IDLE: {info}"
 
 
 def test_normal_priority_leaves_the_threads_alone(data_dir, tok):

@@ -336,6 +336,7 @@ class _Producer:
             # Closing the generator now stops its read-ahead thread even while the relayed
             # exception (whose traceback references this frame) is still alive.
             chunks.close()
+            self.priority.leave_current_thread()
             self.priority.close()
 
     def stop(self, timeout: float = 10.0) -> None:

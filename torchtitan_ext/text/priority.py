@@ -23,6 +23,12 @@ unprivileged threads. ``"adaptive"`` therefore probes once per process (in a thr
 whether the switch back is allowed, and where it is not, or off Linux, leaves the threads at the
 normal policy: it never demotes a thread it could not promote again. ``"idle"`` demotes
 unconditionally (for hosts with cores to spare); ``"normal"`` never touches the policy.
+
+Linux threads inherit the policy of the thread that creates them: a thread a group member starts
+while idle starts idle. The prefetching loader's members start only their own read-ahead helpers
+(which join the group), and the group starts at the normal policy, so the library thread pools
+created on first use (Arrow's, the tokenizer's) start normal; checked by listing every thread's
+policy after a run in ``tests/test_prefetch.py``.
 """
 
 from __future__ import annotations
@@ -106,9 +112,13 @@ class ThreadGroupPriority:
                 self._apply(tid, True)
 
     def leave_current_thread(self) -> None:
-        """Forget the calling thread before it ends (its id could later name another thread)."""
+        """Forget the calling thread before it ends (its id could later name another thread),
+        and put it back to normal if it may (so that it does not exit idle)."""
+        tid = threading.get_native_id()
         with self._lock:
-            self._tids.discard(threading.get_native_id())
+            self._tids.discard(tid)
+            if self.idle and self.adaptive:
+                self._apply(tid, False)
 
     def set_idle(self, idle: bool) -> None:
         """Adaptive mode only: move every thread of the group to ``SCHED_IDLE`` (True) or back
