@@ -3,6 +3,7 @@ the producer; hysteresis refill; prompt stop) and the adaptive scheduling policy
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -112,48 +114,52 @@ def _policy(tid: int) -> int:
     return os.sched_getscheduler(tid)
 
 
-def _group_thread(group: ThreadGroupPriority, ready: threading.Event, go: threading.Event, out):
-    group.join_current_thread()
-    out.append(threading.get_native_id())
-    ready.set()
-    go.wait(10)
-    group.leave_current_thread()
+@contextlib.contextmanager
+def _members(group: ThreadGroupPriority, n: int = 1) -> Iterator[list[int]]:
+    """``n`` threads that join ``group`` and wait; yields their native ids, then lets them leave
+    and joins them."""
+    go = threading.Event()
+    tids: list[int] = []
+    joined = threading.Barrier(n + 1)
+
+    def member() -> None:
+        group.join_current_thread()
+        tids.append(threading.get_native_id())
+        joined.wait(10)
+        go.wait(10)
+        group.leave_current_thread()
+
+    ts = [threading.Thread(target=member) for _ in range(n)]
+    for t in ts:
+        t.start()
+    joined.wait(10)
+    try:
+        yield tids
+    finally:
+        go.set()
+        for t in ts:
+            t.join()
 
 
 @linux_only
 def test_normal_mode_never_touches_the_policy():
     g = ThreadGroupPriority("normal")
-    ready, go, out = threading.Event(), threading.Event(), []
-    t = threading.Thread(target=_group_thread, args=(g, ready, go, out))
-    t.start()
-    ready.wait(5)
-    g.set_idle(True)
-    assert not g.active and _policy(out[0]) == os.SCHED_OTHER
-    go.set()
-    t.join()
+    with _members(g) as (tid,):
+        g.set_idle(True)
+        assert not g.active and _policy(tid) == os.SCHED_OTHER
 
 
 @needs_cap
 def test_adaptive_group_switches_every_member_both_ways():
     g = ThreadGroupPriority("adaptive")
     assert g.active and not g.idle
-    evs = [(threading.Event(), threading.Event(), []) for _ in range(3)]
-    ts = [threading.Thread(target=_group_thread, args=(g, *e)) for e in evs]
-    for t in ts:
-        t.start()
-    for ready, _, _ in evs:
-        ready.wait(5)
-    tids = [out[0] for _, _, out in evs]
-    g.set_idle(True)
-    assert g.idle and all(_policy(t) == os.SCHED_IDLE for t in tids)
-    g.set_idle(True)  # no-op
-    g.set_idle(False)
-    assert not g.idle and all(_policy(t) == os.SCHED_OTHER for t in tids)
-    assert g.switches == 2
-    for _, go, _ in evs:
-        go.set()
-    for t in ts:
-        t.join()
+    with _members(g, 3) as tids:
+        g.set_idle(True)
+        assert g.idle and all(_policy(t) == os.SCHED_IDLE for t in tids)
+        g.set_idle(True)  # no-op
+        g.set_idle(False)
+        assert not g.idle and all(_policy(t) == os.SCHED_OTHER for t in tids)
+        assert g.switches == 2
     g.close()
     g.set_idle(True)  # closed: nothing left to switch, and no error
     assert not g.idle
@@ -163,14 +169,9 @@ def test_adaptive_group_switches_every_member_both_ways():
 def test_adaptive_stays_normal_where_the_switch_back_is_not_allowed(monkeypatch):
     monkeypatch.setattr(prio, "_probe_result", False)
     g = ThreadGroupPriority("adaptive")
-    ready, go, out = threading.Event(), threading.Event(), []
-    t = threading.Thread(target=_group_thread, args=(g, ready, go, out))
-    t.start()
-    ready.wait(5)
-    g.set_idle(True)
-    assert not g.active and not g.idle and _policy(out[0]) == os.SCHED_OTHER
-    go.set()
-    t.join()
+    with _members(g) as (tid,):
+        g.set_idle(True)
+        assert not g.active and not g.idle and _policy(tid) == os.SCHED_OTHER
 
 
 @linux_only
