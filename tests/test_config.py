@@ -174,6 +174,19 @@ def test_section_value_the_loader_cannot_take_is_an_error(tmp_path):
         load_config(p)
 
 
+def test_prefetch_thread_priority_is_applied_and_its_choices_checked(tmp_path):
+    body = """
+        [dataloader]
+        name = "parquet_prefetch"
+        [prefetch]
+        thread_priority = "{}"
+    """
+    cfg = load_config(write(tmp_path, body.format("normal")))
+    assert cfg.dataloader.thread_priority == "normal"
+    with pytest.raises(ConfigError, match=r"thread_priority.*expected one of"):
+        load_config(write(tmp_path, body.format("low")))
+
+
 def test_cli_switches_loader_by_name(tmp_path):
     p = write(
         tmp_path,

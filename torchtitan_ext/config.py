@@ -91,7 +91,7 @@ class PrefetchSection:
     """Documents held by the best-fit packer to choose from (seed: ``bos_dataloader_buffer_size``,
     1000). Larger lowers the crop rate."""
 
-    thread_priority: str | None = None
+    thread_priority: Literal["adaptive", "idle", "normal"] | None = None
     """OS scheduling policy of the background threads: ``"adaptive"`` (loader default:
     ``SCHED_IDLE`` while the queue is full, normal when it runs low, where the process may switch
     back), ``"idle"`` or ``"normal"``."""
@@ -233,6 +233,8 @@ class _Coercer:
             return self.value(v, args[0], where, current)
         if origin in (typing.Union, types.UnionType):
             non_none = [a for a in args if a is not type(None)]
+            if len(non_none) == 1:  # Optional[X] (TOML has no null): X's own, more precise error
+                return self.value(v, non_none[0], where, current)
             errors = []
             # Prefer the type of the current value (e.g. a nested Config subclass instance).
             for a in non_none:
