@@ -212,6 +212,29 @@ def test_skip_mode_counts_reconcile(tmp_path, tok):
         assert s["rows_read"] == 30 == s["docs_read"] + s["docs_skipped"]
 
 
+def test_unreadable_file_in_skip_mode_is_reported_not_silent(tmp_path, tok, caplog):
+    pq.write_table(pa.table({"text": ["some text"] * 20}), tmp_path / "a.parquet")
+    junk = tmp_path / "b.parquet"
+    junk.write_bytes(b"not parquet" * 10)
+    with (
+        caplog.at_level("WARNING"),
+        PrefetchingParquetLoader(
+            [tmp_path / "a.parquet", junk],
+            tok,
+            seq_len=16,
+            batch_size=2,
+            val_files="none",
+            infinite=False,
+            on_bad_input="skip",
+        ) as loader,
+    ):
+        assert sum(1 for _ in loader) > 0
+        assert loader.get_stats()["files_skipped"] == 1
+        assert loader.skip_examples["unreadable_file"] == [str(junk)]
+        assert "1 unreadable file(s) skipped" in loader.source.describe()
+    assert any("b.parquet: unreadable Parquet file" in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------------------- finite passes
 def test_finite_val_pass_covers_split_and_pads_last_batch(data_dir, tok):
     n_val = sum(pq.ParquetFile(f).metadata.num_rows for f in data_dir.glob("val-*.parquet"))

@@ -45,6 +45,7 @@ or row groups raise :class:`BadInputError` naming file / row group / row, or are
 from __future__ import annotations
 
 import glob as _glob
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from torchtitan_ext.text.errors import BadInputError, OnBadInput, check_on_bad_input, where
+
+logger = logging.getLogger(__name__)
 
 _OPEN_FILES = 8  # Parquet files kept open per source (LRU)
 
@@ -187,6 +190,10 @@ class ParquetSource:
             except (OSError, pa.ArrowException) as e:
                 if self.on_bad_input == "error":
                     raise BadInputError(f"unreadable Parquet file ({e})", file=f) from e
+                # Counted, not silent: the file is listed in describe() (logged by the torchtitan
+                # glue) and the loader's get_stats()["files_skipped"]; its rows cannot be counted
+                # because its footer is unreadable.
+                logger.warning(f"{f}: unreadable Parquet file ({e}); skipped (on_bad_input='skip')")
                 self.unreadable_files.append(f)
                 continue
             if self.text_column not in names and self.on_bad_input == "error":
@@ -393,4 +400,10 @@ class ParquetSource:
             f"{self.split} split: {len(self.files)} file(s), {self.total_row_groups} row group(s); "
             f"dp_rank {self.dp_rank}/{self.dp_world_size} owns {len(self.row_groups)} "
             f"({self.rows_per_epoch} rows per epoch)"
+            + (
+                f"; {len(self.unreadable_files)} unreadable file(s) skipped: "
+                + ", ".join(self.unreadable_files)
+                if self.unreadable_files
+                else ""
+            )
         )

@@ -574,6 +574,7 @@ class PrefetchingParquetLoader:
             "docs_read": c["docs_read"],
             "tokens_read": c["tokens_read"],
             "docs_skipped": sum(self._snap.skips.values()),
+            "files_skipped": len(self.source.unreadable_files),  # on_bad_input="skip" only
             "tokens_cropped": pc["tokens_cropped"],
             "crop_pct": 100.0 * pc["tokens_cropped"] / max(pc["tokens_in"], 1),
             "fill_pct": 100.0 * pc["tokens_out"] / max(pc["rows"] * (self.seq_len + 1), 1),
@@ -595,7 +596,10 @@ class PrefetchingParquetLoader:
     def skip_examples(self) -> dict[str, list[str]]:
         """The first few locations per skip reason seen by the running producer (informational)."""
         p = self._producer_ref[0]
-        return {k: list(v) for k, v in p.skips.examples.items()} if p is not None else {}
+        out = {k: list(v) for k, v in p.skips.examples.items()} if p is not None else {}
+        if self.source.unreadable_files:
+            out["unreadable_file"] = list(self.source.unreadable_files)
+        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

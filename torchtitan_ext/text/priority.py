@@ -59,7 +59,7 @@ def can_leave_idle() -> bool:
                     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
                     result[0] = True
-                except OSError:
+                except OSError:  # EPERM (no CAP_SYS_NICE) or unsupported: the answer is no
                     result[0] = False
 
             if _supported():
