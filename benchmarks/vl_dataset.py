@@ -46,10 +46,9 @@ IMG_W, IMG_H = 640, 480
 
 def _rows_dataset(out: Path, n: int) -> Path:
     """n VQA rows with 640x480 JPEGs made from the shipped sample images."""
-    import datasets
     from PIL import Image
 
-    from torchtitan_ext.vl.sample_data import source_dir
+    from torchtitan_ext.vl.sample_data import source_dir, write_vl_parquet
 
     srcs = sorted(p for p in source_dir().iterdir() if p.suffix.lower() in (".jpg", ".png"))
     imgs = []
@@ -70,15 +69,8 @@ def _rows_dataset(out: Path, n: int) -> Path:
                 "answer": f"Picture {i} shows {srcs[i % len(srcs)].stem.replace('_', ' ')}.",
             }
         )
-    feats = datasets.Features(
-        {
-            "image": datasets.Image(),
-            "question": datasets.Value("string"),
-            "answer": datasets.Value("string"),
-        }
-    )
     out.mkdir(parents=True, exist_ok=True)
-    datasets.Dataset.from_list(rows, features=feats).to_parquet(str(out / "train-0.parquet"))
+    write_vl_parquet(rows, out / "train-0.parquet")
     return out
 
 

@@ -28,9 +28,8 @@ def _jpeg(img: Image.Image, q: int = 90) -> bytes:
 
 def _coco_like_dataset(out: Path, n: int) -> Path:
     """n 640x480 / 480x640 JPEGs (COCO/VQAv2-sized) made from the shipped sources."""
-    import datasets
 
-    from torchtitan_ext.vl.sample_data import source_dir
+    from torchtitan_ext.vl.sample_data import source_dir, write_vl_parquet
 
     srcs = sorted(p for p in source_dir().iterdir() if p.suffix in (".jpg", ".png"))
     rows = []
@@ -48,15 +47,8 @@ def _coco_like_dataset(out: Path, n: int) -> Path:
                 "answer": f"It shows object number {i % 17} on a plain background.",
             }
         )
-    feats = datasets.Features(
-        {
-            "image": datasets.Image(),
-            "question": datasets.Value("string"),
-            "answer": datasets.Value("string"),
-        }
-    )
     out.mkdir(parents=True, exist_ok=True)
-    datasets.Dataset.from_list(rows, features=feats).to_parquet(str(out / "train-0.parquet"))
+    write_vl_parquet(rows, out / "train-0.parquet")
     return out
 
 

@@ -13,6 +13,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def torchrun(nproc: int, *target: str) -> list[str]:
+    """The command line that runs ``target`` (``-m module`` or a script path) under torchrun with
+    ``nproc`` local processes on a free port."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        *target,
+    ]
+
+
 def _has_cuda() -> bool:
     try:
         import torch

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun
 
 pytestmark = pytest.mark.integration
 MAIN = REPO / "train_configs" / "llama3_debug_cpu.toml"
@@ -39,18 +39,7 @@ def train(args: list[str], nproc: int = 1) -> tuple[str, dict[int, str]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "torchtitan_ext.train"]
     if nproc > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            "localhost:0",
-            "-m",
-            "torchtitan_ext.train",
-        ]
+        launcher = torchrun(nproc, "-m", "torchtitan_ext.train")
     out = subprocess.run(
         launcher + ["--config-file", str(MAIN), *SMALL, *args],
         capture_output=True,

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun
 
 pytestmark = pytest.mark.integration
 TOY = REPO / "tests" / "data" / "configs" / "toy_debug.toml"
@@ -27,18 +27,7 @@ def run(args: list[str], nproc: int = 1, timeout: int = 300) -> tuple[str, dict[
     if nproc == 1:
         cmd = [sys.executable, "-m", "tests.support.run_with_toy"]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            "localhost:0",
-            "-m",
-            "tests.support.run_with_toy",
-        ]
+        cmd = torchrun(nproc, "-m", "tests.support.run_with_toy")
     out = subprocess.run(
         cmd + ["--config-file", str(TOY), "--debug.seed", "0", "--debug.deterministic", *args],
         capture_output=True,

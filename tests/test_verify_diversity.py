@@ -8,18 +8,17 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from tests.conftest import REPO, torchrun
 from tests.test_streaming import corpus, make_docs, tokenizer, write_parquet  # noqa: F401
 from torchtitan_ext.loaders.streaming import StreamingTextDataLoader
 from torchtitan_ext.text.diversity import BuggyTakeDataset, DiversityMeter, run_check
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "verify_data_diversity.py"
 
 
@@ -138,16 +137,8 @@ def test_cli_passes_for_streaming_and_fails_for_buggy_demo(corpus, tokenizer, tm
 def test_under_torchrun(corpus, tokenizer, tmp_path):  # noqa: F811
     src, _ = corpus
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        "localhost:0",
+    cmd = torchrun(
+        2,
         str(SCRIPT),
         "--dataset",
         src,
@@ -163,7 +154,7 @@ def test_under_torchrun(corpus, tokenizer, tmp_path):  # noqa: F811
         "1",
         "--json",
         str(tmp_path / "r.json"),
-    ]
+    )
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((tmp_path / "r.json").read_text())

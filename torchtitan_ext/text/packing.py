@@ -133,6 +133,18 @@ class _Counters:
         for f in self._FIELDS:
             setattr(self, f, int(state[f]))
 
+    def finish_row(
+        self, tokens: np.ndarray, positions: np.ndarray, filled: int, R: int, pad_id: int
+    ) -> int:
+        """Pad the rest of a row of ``R`` (``positions`` 0) and count it; returns ``filled``."""
+        if filled < R:
+            tokens[filled:] = pad_id
+            positions[filled:] = 0
+        self.rows += 1
+        self.tokens_out += filled
+        self.pad_tokens += R - filled
+        return filled
+
 
 def _pct(num: int, den: int) -> float:
     return 100.0 * num / den if den else 0.0
@@ -259,13 +271,7 @@ class BestFitPacker:
                     self._insert(tail)
                 else:
                     self.c.tokens_cropped += int(doc.size - take)
-        if filled < R:
-            tokens[filled:] = self.pad_id
-            positions[filled:] = 0
-        self.c.rows += 1
-        self.c.tokens_out += filled
-        self.c.pad_tokens += R - filled
-        return filled
+        return self.c.finish_row(tokens, positions, filled, R, self.pad_id)
 
     # ------------------------------------------------------------------ state / stats
     def snapshot(self) -> dict[str, Any]:
@@ -420,13 +426,7 @@ class ConcatSplitPacker:
         if self._head > 1024 and self._head * 2 > len(self._segs):
             self._segs = self._segs[self._head :]
             self._head = 0
-        if filled < R:
-            tokens[filled:] = self.pad_id
-            positions[filled:] = 0
-        self.c.rows += 1
-        self.c.tokens_out += filled
-        self.c.pad_tokens += R - filled
-        return filled
+        return self.c.finish_row(tokens, positions, filled, R, self.pad_id)
 
     def snapshot(self) -> dict[str, Any]:
         """Cheap immutable capture (segments are replaced, never modified in place)."""

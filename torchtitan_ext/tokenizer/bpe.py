@@ -165,13 +165,7 @@ def _safe_newline_cut(block: bytes, start: int) -> int:
     '\\n', they start at whitespace, and no rule before p looks past the class change at p, so
     pre-tokenizing block[:p] and block[p:] separately gives the same pre-tokens as the whole.
     """
-    p = len(block)
-    while True:
-        p = block.rfind(b"\n", start + 1, p)
-        if p <= start:
-            return -1
-        if block[p - 1] in _ASCII_GRAPHIC:
-            return p
+    return _safe_newline_cut_range(block, start, len(block))
 
 
 def _safe_newline_cut_range(buf, start: int, end: int) -> int:

@@ -547,6 +547,32 @@ def _resolve(config: BuildConfig):
     return src, proc, key
 
 
+def _build_config(
+    dataset: str | Path,
+    split: str,
+    seq_len: int,
+    buffer_size: int,
+    model_path: str | Path | None,
+    buckets: Sequence[int] | None,
+    max_samples: int | None,
+    rows_per_shard: int,
+) -> BuildConfig:
+    """The :class:`BuildConfig` of ``find_cache`` / ``build_cache`` arguments (one place, so the
+    two always compute the same cache key)."""
+    from torchtitan_ext.vl.packing import normalize_buckets
+
+    return BuildConfig(
+        dataset=str(dataset),
+        split=split,
+        seq_len=int(seq_len),
+        buffer_size=int(buffer_size),
+        buckets=normalize_buckets(seq_len, buckets),
+        max_samples=max_samples,
+        rows_per_shard=int(rows_per_shard),
+        model_path=None if model_path is None else str(model_path),
+    )
+
+
 def find_cache(
     dataset: str | Path,
     split: str,
@@ -559,17 +585,8 @@ def find_cache(
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
 ) -> Path | None:
     """The complete cache directory for these arguments, or None."""
-    from torchtitan_ext.vl.packing import normalize_buckets
-
-    cfg = BuildConfig(
-        dataset=str(dataset),
-        split=split,
-        seq_len=seq_len,
-        buffer_size=buffer_size,
-        buckets=normalize_buckets(seq_len, buckets),
-        max_samples=max_samples,
-        rows_per_shard=rows_per_shard,
-        model_path=None if model_path is None else str(model_path),
+    cfg = _build_config(
+        dataset, split, seq_len, buffer_size, model_path, buckets, max_samples, rows_per_shard
     )
     src, _, key = _resolve(cfg)
     d = Path(cache_dir) / key_dir_name(cfg, src.name, key)
@@ -600,19 +617,11 @@ def build_cache(
     once ``metadata.json`` exists (``wait_timeout`` seconds at most, None = forever).
     ``strict``: the first bad row raises ``ValueError`` naming it instead of being skipped.
     """
-    from torchtitan_ext.vl.packing import normalize_buckets
     from torchtitan_ext.vl.processor import special_token_ids
 
     rank, world = _dist_env(rank, world_size)
-    cfg = BuildConfig(
-        dataset=str(dataset),
-        split=split,
-        seq_len=int(seq_len),
-        buffer_size=int(buffer_size),
-        buckets=normalize_buckets(seq_len, buckets),
-        max_samples=max_samples,
-        rows_per_shard=int(rows_per_shard),
-        model_path=None if model_path is None else str(model_path),
+    cfg = _build_config(
+        dataset, split, seq_len, buffer_size, model_path, buckets, max_samples, rows_per_shard
     )
     if cfg.buffer_size < 1:
         raise ValueError(f"buffer_size must be >= 1, got {cfg.buffer_size}")

@@ -128,12 +128,34 @@ def _bad_rows(rng: random.Random, good: bytes) -> list[dict]:
     ]
 
 
+def write_vl_parquet(rows: list[dict], file: Path, batch_size: int | None = None) -> Path:
+    """Write image/question/answer rows as one Parquet file in HF ``datasets``' layout (the image
+    column an ``Image`` feature of ``{"bytes", "path"}``; any other column a string), the layout
+    every VL source here reads. ``batch_size``: rows per row group (``datasets``' default if
+    None)."""
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    cols = {"image": datasets.Image(), "question": datasets.Value("string")}
+    cols["answer"] = datasets.Value("string")
+    for k in rows[0] if rows else ():
+        cols.setdefault(k, datasets.Value("string"))
+    ds = datasets.Dataset.from_list(rows, features=datasets.Features(cols))
+    bars = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()  # a 1-batch "Creating parquet" bar is noise here
+    try:
+        kw = {} if batch_size is None else {"batch_size": batch_size}
+        ds.to_parquet(str(file), **kw)
+    finally:
+        if bars:
+            ds_logging.enable_progress_bar()
+    return file
+
+
 def make_sample_dataset(
     out_dir: str | Path, n: int = 300, bad_rows: bool = False, seed: int = 0
 ) -> Path:
     """Write ``out_dir/train-00000-of-00001.parquet`` (n variants [+ bad rows]); returns out_dir."""
-    import datasets
-
     out = Path(out_dir)
     src = source_dir()
     files = sorted(p for p in src.iterdir() if p.suffix.lower() in (".jpg", ".png"))
@@ -156,27 +178,10 @@ def make_sample_dataset(
         # spread the bad rows through the data (deterministic positions)
         for j, r in enumerate(bad):
             rows.insert(min(len(rows), 3 + j * max(1, len(rows) // len(bad))), r)
-    feats = datasets.Features(
-        {
-            "image": datasets.Image(),
-            "question": datasets.Value("string"),
-            "answer": datasets.Value("string"),
-            "kind": datasets.Value("string"),
-        }
-    )
-    ds = datasets.Dataset.from_list(rows, features=feats)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    from datasets.utils import logging as ds_logging
-
-    bars = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()  # a 1-batch "Creating parquet" bar is noise here
-    try:
-        ds.to_parquet(str(tmp / "train-00000-of-00001.parquet"), batch_size=64)
-    finally:
-        if bars:
-            ds_logging.enable_progress_bar()
+    write_vl_parquet(rows, tmp / "train-00000-of-00001.parquet", batch_size=64)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.replace(tmp, out)
