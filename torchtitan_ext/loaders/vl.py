@@ -46,7 +46,12 @@ from typing import Any
 from torch.utils.data import DataLoader
 from torchtitan.components.dataloader import BaseDataLoader
 
-from torchtitan_ext.vl.collate import PackCollator, PixelNorm, finish_on_device
+from torchtitan_ext.vl.collate import (
+    PackCollator,
+    PixelNorm,
+    check_special_tokens,
+    finish_on_device,
+)
 from torchtitan_ext.vl.dataset import CachedVLDataset, advance
 
 logger = logging.getLogger(__name__)
@@ -161,10 +166,11 @@ class CachedVLDataLoader(BaseDataLoader):
         snapshot_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
-        # `tokenizer` is torchtitan's text tokenizer: unused, the cache carries its own special
-        # token ids (from the processor it was built with). `snapshot_every_n_steps` is moot:
-        # the state is computed, not snapshotted. torchtitan main passes extra kwargs: ignored.
-        del tokenizer, snapshot_every_n_steps
+        # `tokenizer` is the trainer's: the cache carries its own special token ids (from the
+        # processor it was built with); a torchtitan MultiModalTokenizer's must equal them
+        # (checked below, before any cache is built). `snapshot_every_n_steps` is moot: the
+        # state is computed, not snapshotted. torchtitan main passes extra kwargs: ignored.
+        del snapshot_every_n_steps
         if kwargs:
             logger.debug("CachedVLDataLoader ignores build kwargs %s", sorted(kwargs))
         cfg = config
@@ -191,6 +197,7 @@ class CachedVLDataLoader(BaseDataLoader):
         self.pack_seq_len = int(pack_len)
 
         t0 = time.perf_counter()
+        self._check_model_tokenizer(tokenizer)
         path = self._resolve_cache()
         self.source = "cache" if path is not None else "online"
         self.cache_path = path
@@ -227,6 +234,40 @@ class CachedVLDataLoader(BaseDataLoader):
         self._reset_position()
 
     # -- source resolution ----------------------------------------------------------------------
+    def _check_model_tokenizer(self, tokenizer: Any) -> None:
+        """With torchtitan's ``MultiModalTokenizer`` (its VLMs' tokenizer: ``TOKEN_FIELDS`` and
+        ``<name>_id`` attributes), refuse a cache whose special-token ids differ from it. Uses
+        ``cache_path``'s metadata, else the processor the cache is keyed on (``model_path``), so
+        nothing is built first."""
+        fields = getattr(tokenizer, "TOKEN_FIELDS", None)
+        if not fields:
+            return
+        model = {f"{n}_id": int(getattr(tokenizer, f"{n}_id")) for n in fields}
+        cfg = self.config
+        if cfg.cache_path:
+            import json
+
+            meta = Path(cfg.cache_path) / "metadata.json"
+            special = json.loads(meta.read_text())["special_tokens"] if meta.is_file() else None
+            cache_from = f"the VL cache {cfg.cache_path}"
+        else:
+            from torchtitan_ext.vl.processor import load_processor, special_token_ids
+
+            special = special_token_ids(load_processor(cfg.model_path))
+            cache_from = (
+                f"the VL cache's processor (dataloader.model_path={cfg.model_path})"
+                if cfg.model_path
+                else "the VL cache's processor (dataloader.model_path unset: the embedded "
+                "offline processor)"
+            )
+        if special is not None:  # a missing cache_path is reported by _resolve_cache
+            check_special_tokens(
+                model,
+                special,
+                model_from=f"hf_assets_path={getattr(tokenizer, 'tokenizer_path', '?')}",
+                cache_from=cache_from,
+            )
+
     def _dataset_arg(self) -> str | Path:
         cfg = self.config
         if cfg.dataset_path:
