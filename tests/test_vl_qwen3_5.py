@@ -39,6 +39,8 @@ from torchtitan.hf_datasets.multimodal.utils.packing import MMSamplePacker  # no
 
 from torchtitan_ext.vl.collate import PixelNorm, collate_torchtitan  # noqa: E402
 
+from .support.vl_sample import sample_cache  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 1024
 BUCKETS = [512, 768]
@@ -46,30 +48,20 @@ BUCKETS = [512, 768]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("qwen3_5")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
     import pyarrow.parquet as pq
 
-    from torchtitan_ext.vl.cache import VLCache, build_cache
+    from torchtitan_ext.vl.cache import VLCache
     from torchtitan_ext.vl.processor import load_processor, offline_processor_dir
-    from torchtitan_ext.vl.sample_data import sample_dataset_path
 
-    data = sample_dataset_path(n=24, root=root / "data")
-    path = build_cache(
-        data, "train", root / "cache", seq_len=SEQ, buffer_size=8, buckets=BUCKETS,
-        show_progress=False,
-    )  # fmt: skip
-    cache = VLCache.open(path)
-    rows = pq.read_table(sorted(Path(data).glob("*.parquet"))[0]).to_pylist()
-    tok = MultiModalTokenizer(
-        MultiModalTokenizer.Config(**qwen3_5.QWEN3_5_SPECIAL_TOKENS),
-        tokenizer_path=str(offline_processor_dir()),
-    )
-    yield types.SimpleNamespace(
-        root=root, data=data, path=path, cache=cache, rows=rows, tok=tok, proc=load_processor()
-    )
-    mp.undo()
+    with sample_cache(tmp_path_factory, "qwen3_5", seq_len=SEQ, buckets=BUCKETS) as built:
+        tok = MultiModalTokenizer(
+            MultiModalTokenizer.Config(**qwen3_5.QWEN3_5_SPECIAL_TOKENS),
+            tokenizer_path=str(offline_processor_dir()),
+        )
+        rows = pq.read_table(sorted(Path(built["data"]).glob("*.parquet"))[0]).to_pylist()
+        yield types.SimpleNamespace(
+            **built, cache=VLCache.open(built["path"]), rows=rows, tok=tok, proc=load_processor()
+        )
 
 
 def torchtitan_sample(proc, row: dict) -> dict:
