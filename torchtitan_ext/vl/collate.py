@@ -43,9 +43,10 @@ configs set it) returns for the same samples (tested against the real collator):
   document with label -100). A sample of one token (never in the cache: each is a chat turn)
   is where that rule cannot see a boundary (positions 0, 0): the collator then continues the
   numbering into the next sample, a constant shift that relative RoPE does not see; ours
-  restarts, as ``get_rope_index`` does. Every sample's first label is -100 in the cache, so after the shift
-  the last token of a sample never learns to predict the next sample's first token (the collator
-  itself would train it; with chat samples that first token, ``<|im_start|>``, is never a target).
+  restarts, as ``get_rope_index`` does. Every sample's first label is -100 in the cache, so
+  after the shift the last token of a sample never learns to predict the next sample's first
+  token (the collator itself would train it; with chat samples that first token,
+  ``<|im_start|>``, is never a target).
   Intentional differences: a batch is padded to its longest pack (a bucket) where the collator
   pads every batch to ``seq_len`` (pass ``pad_to=seq_len`` for its shape), and it never has the
   collator's all-padding dummy rows (every rank's batches are full).
