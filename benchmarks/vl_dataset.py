@@ -97,7 +97,8 @@ def _seed_layout_pack(pack: dict[str, torch.Tensor], out: Path) -> Path:
 def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
     from tensordict import TensorDict
 
-    from torchtitan_ext.vl.cache import VLCache, build_cache
+    from torchtitan_ext.vl.build import build_cache
+    from torchtitan_ext.vl.cache import VLCache
     from torchtitan_ext.vl.collate import PackCollator, PixelNorm
     from torchtitan_ext.vl.dataset import CachedVLDataset
     from torchtitan_ext.vl.online import OnlineVLDataset
@@ -342,7 +343,8 @@ def _synth_cache(real: Path, out: Path, n_packs: int) -> Path:
 def _open_rows(args: BenchArgs, work: Path) -> list[Row]:
     from tensordict import LazyStackedTensorDict, TensorDict
 
-    from torchtitan_ext.vl.cache import VLCache, build_cache
+    from torchtitan_ext.vl.build import build_cache
+    from torchtitan_ext.vl.cache import VLCache
     from torchtitan_ext.vl.dataset import CachedVLDataset
 
     default = "100,1000" if args.quick else "100,1000,10000"

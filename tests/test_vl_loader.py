@@ -220,7 +220,7 @@ def test_online_resume_exact_and_equal_steps(env):
 
 
 def test_build_if_missing_and_force(env, tmp_path, monkeypatch):
-    import torchtitan_ext.vl.cache as cache_mod
+    import torchtitan_ext.vl.build as cache_mod
 
     calls = []
     real = cache_mod.build_cache

@@ -128,7 +128,7 @@ def test_inspect_verify_names_corrupt_file(env, tmp_path, capsys):
     b = bytearray(f.read_bytes())
     b[0] ^= 1
     f.write_bytes(bytes(b))
-    assert I.main(["--cache-dir", str(kdir), "--verify"]) == 1
+    assert I.main(["--cache-dir", str(kdir), "--verify"]) == 2  # damage: exit 2, one line
     err = capsys.readouterr().err
     assert "shards/00001/label_mask.memmap" in err and "sha256 mismatch" in err
 

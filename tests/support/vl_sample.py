@@ -26,7 +26,7 @@ def sample_cache(
     root = tmp_path_factory.mktemp(name)
     mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
     try:
-        from torchtitan_ext.vl.cache import build_cache
+        from torchtitan_ext.vl.build import build_cache
         from torchtitan_ext.vl.sample_data import sample_dataset_path
 
         data = sample_dataset_path(n=n, root=root / "data")
