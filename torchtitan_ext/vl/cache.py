@@ -182,6 +182,10 @@ def check_digest(meta: dict[str, Any], mf: Path) -> None:
     d = meta.get("digest")
     if not isinstance(d, dict) or not isinstance(d.get("fields"), dict):
         raise CacheError(f"{mf}: field digest is missing or not an object (edited or corrupted)")
+    if sorted(d) != ["algorithm", "fields", "root"] or d["algorithm"] != "sha256":
+        raise CacheError(
+            f"{mf}: field digest.algorithm (or the digest's keys) changed: {sorted(d)}"
+        )
     body = {k: v for k, v in meta.items() if k != "digest"}
     stored = d["fields"]
     root = hashlib.sha256(canonical({"body": body, "fields": stored}).encode()).hexdigest()
@@ -376,28 +380,36 @@ def _check_index(cols: dict[str, np.ndarray], doc: dict[str, Any], seq_len: int,
     o, plen = cols["pack_offsets"], cols["pack_len"].astype(np.int64)
 
     def bad(name: str, what: str) -> CacheError:
-        return CacheError(f"{where}{name}.memmap: {what} (damaged; run inspect-cache --verify)")
+        return CacheError(f"{where}{name}: {what} (damaged; run inspect-cache --verify)")
 
     last = [doc["samples"], doc["tokens"], doc["images"], doc["patches"]]
     if o[0].tolist() != [0, 0, 0, 0] or o[-1].tolist() != last:
-        raise bad("pack_offsets", f"first/last rows {o[0].tolist()}/{o[-1].tolist()}, counts say "
+        raise bad("pack_offsets.memmap", f"first/last rows {o[0].tolist()}/{o[-1].tolist()}, counts say "
                                   f"[0, 0, 0, 0]/{last}")  # fmt: skip
     if (np.diff(o, axis=0) < 0).any():
-        raise bad("pack_offsets", "offsets decrease")
+        raise bad("pack_offsets.memmap", "offsets decrease")
     ntok = np.diff(o[:, 1])
     if ((plen < ntok) | (plen > seq_len)).any():
-        raise bad("pack_len", f"a padded length is below its pack's tokens or above {seq_len}")
+        raise bad(
+            "pack_len.memmap", f"a padded length is below its pack's tokens or above {seq_len}"
+        )
     lens = cols["sample_lens"].astype(np.int64)
     if (lens <= 0).any() or np.diff(np.concatenate(([0], np.cumsum(lens)))[o[:, 0]]).tolist() != (
         ntok.tolist()
     ):
-        raise bad("sample_lens", "sample lengths do not add up to the packs' token counts")
+        raise bad(
+            "sample_lens.memmap / pack_offsets.memmap",
+            "sample lengths do not add up to the packs' token counts",
+        )
     grid = cols["grid_thw"].astype(np.int64)
     if (grid <= 0).any():
-        raise bad("grid_thw", "an image grid is not positive")
+        raise bad("grid_thw.memmap", "an image grid is not positive")
     per_img = np.concatenate(([0], np.cumsum(grid.prod(axis=1))))
     if np.diff(per_img[o[:, 2]]).tolist() != np.diff(o[:, 3]).tolist():
-        raise bad("grid_thw", "image grids do not add up to the packs' patch counts")
+        raise bad(
+            "grid_thw.memmap / pack_offsets.memmap",
+            "image grids do not add up to the packs' patch counts",
+        )
 
 
 class VLCache:
@@ -457,8 +469,14 @@ class VLCache:
             rec = files.get(rel)
             if rec is not None and size is not None and rec["size"] != size:
                 yield f"{mf}: field files[{rel}].size is {rec['size']}, the counts give {size}"
+        shards = {f"{sh.rel}/{SHARD_META}": sh for sh in self._shards}
         for rel, rec in files.items():
             f = self.path / rel
+            if rel in shards:  # compared by content, so that the error names the field
+                problem = self._meta_json_problem(shards[rel], rec)
+                if problem:
+                    yield problem
+                continue
             try:
                 st = os.stat(f)
             except FileNotFoundError:
@@ -469,20 +487,15 @@ class VLCache:
                     f"{f}: size {st.st_size} bytes, the manifest records {rec['size']} "
                     f"({'truncated' if st.st_size < rec['size'] else 'appended to'})"
                 )
-        for sh in self._shards:
-            problem = self._meta_json_problem(sh)
-            if problem:
-                yield problem
         yield from self._unexpected_entries(files)
 
-    def _meta_json_problem(self, sh: _Shard) -> str | None:
+    def _meta_json_problem(self, sh: _Shard, rec: dict[str, Any]) -> str | None:
         f = sh.path / SHARD_META
-        rec = self.metadata["files"].get(f"{sh.rel}/{SHARD_META}")
         try:
             data = f.read_bytes()
-        except OSError:
-            return None  # reported as missing above
-        if rec is None or hashlib.sha256(data).hexdigest() == rec["sha256"]:
+        except FileNotFoundError:
+            return f"{f}: missing (the manifest records {rec['size']} bytes)"
+        if hashlib.sha256(data).hexdigest() == rec["sha256"]:
             return None
         try:
             doc = json.loads(data)
@@ -599,8 +612,11 @@ class VLCache:
         """Every check of ``open`` (all problems, not the first), every shard's index, and the
         sha256 of every recorded file; [] when OK. Each problem names its file."""
         problems = list(self._layout_problems())
+        metas = {f"{sh.rel}/{SHARD_META}" for sh in self._shards}  # hashed by _layout_problems
         for rel, rec in self.metadata["files"].items():
             f = self.path / rel
+            if rel in metas:
+                continue
             try:
                 if f.stat().st_size != rec["size"] or sha256_file(f) == rec["sha256"]:
                     continue  # a size problem is already listed
