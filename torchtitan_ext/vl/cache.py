@@ -455,7 +455,7 @@ class VLCache:
             out.update({f"{sh.rel}/{n}": size for n, size in sh.files().items()})
         return out
 
-    def _layout_problems(self) -> Iterator[str]:
+    def _layout_problems(self, writing: bool = False) -> Iterator[str]:
         """Manifest vs shard counts, files on disk vs manifest, meta.json vs its record, files
         that should not be here. One message per problem, each naming its file."""
         files = self.metadata["files"]
@@ -487,7 +487,7 @@ class VLCache:
                     f"{f}: size {st.st_size} bytes, the manifest records {rec['size']} "
                     f"({'truncated' if st.st_size < rec['size'] else 'appended to'})"
                 )
-        yield from self._unexpected_entries(files)
+        yield from self._unexpected_entries(files, writing)
 
     def _meta_json_problem(self, sh: _Shard, rec: dict[str, Any]) -> str | None:
         f = sh.path / SHARD_META
@@ -504,8 +504,9 @@ class VLCache:
         problem = shard_meta_problem(doc, sh.shapes, self.metadata.get("shard_meta", {}))
         return f"{f}: {problem or 'content differs from its recorded sha256'}"
 
-    def _unexpected_entries(self, files: dict[str, Any]) -> Iterator[str]:
-        """Names in the key directory, ``shards/`` and each shard that the format lacks."""
+    def _unexpected_entries(self, files: dict[str, Any], writing: bool) -> Iterator[str]:
+        """Names in the key directory, ``shards/`` and each shard that the format lacks
+        (``writing``: the writer's commit check, which leaves a live writer's ``.tmp-*`` be)."""
         allowed: dict[str, set[str]] = {".": {MANIFEST, SHARDS}, SHARDS: set()}
         for rel in files:
             d, name = os.path.split(rel)
@@ -518,6 +519,8 @@ class VLCache:
             except OSError:
                 continue  # a missing shard directory: its files are reported missing
             for name in sorted(set(present) - names):
+                if writing and d == SHARDS and name.startswith(".tmp-"):
+                    continue
                 kind = "directory" if (self.path / d / name).is_dir() else "file"
                 yield (
                     f"{self.path / d / name}: a {kind} that is not part of this cache "

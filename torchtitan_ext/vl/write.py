@@ -364,7 +364,7 @@ def write_manifest(
     meta["digest"] = manifest_digest(meta)
     cache = VLCache(kdir, meta)
     try:
-        for problem in cache._layout_problems():
+        for problem in cache._layout_problems(writing=True):
             raise CacheError(problem)
         for s in range(len(ranges)):
             cache._arrays(s)  # every shard's index
