@@ -352,12 +352,17 @@ def _key_lock(kdir: Path, world: int) -> Iterator[None]:
 
 
 def default_num_workers() -> int:
-    """Build worker processes when none are asked for: ``cpu_count - 1`` from 4 cores up, else
-    0 (in process). The main process is busy too (packing, writing, hashing and fsyncing each
-    shard; reading the next one's rows), so workers beyond ``cpu_count - 1`` only contend; on
-    2 cores one worker measured no faster than none (``python -m benchmarks vl_build_workers``)."""
-    n = os.cpu_count() or 1
-    return n - 1 if n >= 4 else 0
+    """Build worker processes when none are asked for: ``cpu_count - 1`` (0 on one core).
+
+    The main process is busy too: it reads the next shard's rows, then packs, writes, hashes and
+    fsyncs each shard while the pool decodes the next one, so one core is left to it; every
+    other core decodes. On the shared 2-core box (load average ~5 from other jobs) no setting
+    was reliably fastest: ``python -m benchmarks vl_build_workers`` (480 640x480 JPEG rows,
+    24 packs, 4 interleaved rounds) gave medians of 0.112 / 0.100 / 0.107 s per pack for
+    0 / 1 / 2 workers in one run and 0.091 / 0.129 / 0.097 in the next. Use ``--num-workers 0``
+    to leave the machine's cores to other jobs; more than ``cpu_count - 1`` only contends.
+    """
+    return max(0, (os.cpu_count() or 1) - 1)
 
 
 def shard_ranges(total: int, rows_per_shard: int) -> list[tuple[int, int]]:
