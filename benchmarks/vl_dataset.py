@@ -223,7 +223,7 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
 
     # Baseline 1: the seed's cache layout (float32 pixels, int64 text), materialised per step.
     seed_dirs = [_seed_layout_pack(cache.pack(i), work / f"seedpack_{i}") for i in full[:2] or [0]]
-    tds = [TensorDict.load_memmap(str(d)) for d in seed_dirs]
+    tds = [TensorDict.load_memmap(str(d), allow_pickle=False) for d in seed_dirs]
     k = {"i": 0}
 
     def seed_step():

@@ -46,13 +46,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_ext.vl.cache import (
+from torchtitan_ext.vl.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST,
     PACKING_STATS,
     SHARD_STATS,
     SHARDS,
+    canonical,
 )
 from torchtitan_ext.vl.sources import DEFAULT_FINGERPRINT, Fingerprint, Rows, VQASample, open_source
 from torchtitan_ext.vl.write import (
@@ -152,8 +153,6 @@ def cache_key(
     """sha256 over the format version, dataset fingerprint, row layout, split,
     processor/tokenizer fingerprint and every packing parameter (the model path itself is not in
     it: two copies of the same processor give the same key)."""
-    from torchtitan_ext.vl.cache import canonical
-
     cfg = asdict(config)
     cfg.pop("dataset")
     cfg.pop("model_path")

@@ -20,13 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchtitan_ext.vl.cache import (
-    PACKING_STATS,
-    CacheError,
-    VLCache,
-    resolve_cache_dir,
-    verify_cache,
-)
+from torchtitan_ext.vl.cache import CacheError, VLCache, resolve_cache_dir, verify_cache
+from torchtitan_ext.vl.format import PACKING_STATS
 
 
 def float32_bytes(patches: int, padded_tokens: int, images: int) -> int:

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_ext.vl.cache import (
+from torchtitan_ext.vl.cache import VLCache
+from torchtitan_ext.vl.format import (
     COLUMNS,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -37,7 +38,6 @@ from torchtitan_ext.vl.cache import (
     SHARD_STATS,
     SHARDS,
     CacheError,
-    VLCache,
     column_shape,
     manifest_digest,
     sha256_file,
