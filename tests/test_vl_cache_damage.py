@@ -116,6 +116,28 @@ def test_planted_pickle_is_refused_everywhere_and_never_runs(env, cache, tmp_pat
     assert not marker.exists(), "the pickle payload ran"
 
 
+def test_every_tensordict_load_refuses_pickle():
+    """No load_memmap call in the package or the benchmarks may leave pickle allowed."""
+    import ast
+
+    bad = []
+    for root in (REPO / "torchtitan_ext", REPO / "benchmarks"):
+        for f in sorted(root.rglob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in (
+                    "load_memmap",
+                    "load",
+                ):
+                    owner = getattr(n.func.value, "id", "")
+                    if n.func.attr == "load" and owner != "TensorDict":
+                        continue
+                    kw = {k.arg: k.value for k in n.keywords}
+                    v = kw.get("allow_pickle")
+                    if not (isinstance(v, ast.Constant) and v.value is False):
+                        bad.append(f"{f.relative_to(REPO)}:{n.lineno}")
+    assert not bad, bad
+
+
 def test_planted_pickle_without_meta_entry_is_a_planted_file(cache, tmp_path, capsys):
     marker = tmp_path / "PAYLOAD_RAN"
     shard = cache / "shards" / "00001"
@@ -358,6 +380,8 @@ def _damage(kdir: Path, target: str, kind: str) -> str:
         f.write_text('{"files": {"not json')
     elif kind == "null":
         f.write_text("null")
+    elif kind == "empty":
+        f.write_bytes(b"")
     elif kind == "planted":
         p = f.parent / "evil.pickle"
         p.write_bytes(b"\x80\x04K\x01.")
@@ -365,7 +389,8 @@ def _damage(kdir: Path, target: str, kind: str) -> str:
     return target
 
 
-_KINDS = ["truncated", "deleted", "flipped", "garbled", "null", "planted"]
+_KINDS = ["truncated", "deleted", "flipped", "garbled", "null", "empty", "planted"]
+_JSON_ONLY = ("garbled", "null", "empty")
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ load planner refuses keys missing from the checkpoint (rank 1 would ask for ``dp
 ``load_state_dict`` also accepts ``{"dp_rank_{r}": state}`` dicts.
 
 Cost (``python -m benchmarks vl_dataset``, 2-core box): building the loader over an existing
-cache is the cache open (42 ms at 10k packs); per step the training thread pays fetch + collate
+cache is the cache open (24-34 ms at 10k packs of 8k tokens); per step the training thread pays fetch + collate
 (1.7 ms HF / 2.8 ms torchtitan format for an 8k pack with 23 images) with ``num_workers=0``. With
 one worker it only receives the batch through shared memory, measured 2.4-7 ms for ~21 MB: no
 clear gain, so the GPU config keeps ``num_workers=0`` and lets ``AsyncDeviceLoader``'s background
