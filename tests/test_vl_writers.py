@@ -377,3 +377,24 @@ def test_layout_is_a_separate_step(env):
     assert rows.layout.describe() == {
         "layout": "vqa", "columns": {"image": "image", "question": "question", "answer": "answer"}
     }  # fmt: skip
+
+
+def test_a_shard_of_only_skipped_rows(env, tmp_path):
+    """A shard whose every row is skipped has no data files, only its index: it opens, verifies
+    and serves the other shards' packs."""
+    from torchtitan_ext.vl.sample_data import write_vl_parquet
+
+    good = S.open_source(env["data"], "train").read(0, 3)
+    bad = [{"image": {"bytes": b"not an image", "path": None}, "question": "q", "answer": "a"}] * 3
+    (tmp_path / "ds").mkdir()
+    write_vl_parquet(bad + good, tmp_path / "ds" / "train-0.parquet")
+    k = B.build_cache(tmp_path / "ds", "train", tmp_path / "c", SEQ, 8, rows_per_shard=3,
+                      show_progress=False)  # fmt: skip
+    assert sorted(p.name for p in (k / "shards" / "00000").iterdir()) == [
+        "meta.json", "pack_offsets.memmap", "stats.json"
+    ]  # fmt: skip
+    c = VLCache.open(k)
+    assert c.verify() == [] and len(c) >= 1
+    rows = sorted(r for i in range(len(c)) for r in c.pack_rows(i))
+    assert rows == [3, 4, 5]
+    assert c.metadata["shards"][0]["packs"] == 0
