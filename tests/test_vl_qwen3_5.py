@@ -412,7 +412,7 @@ def test_mismatching_special_tokens_are_refused_before_building(env, tmp_path, m
     for key, mine in (("image_id", "image_pad_id"), ("pad_id", "pad_id")):
         assert f"{key} cache={ours[mine]} model={getattr(wrong, key)}" in msg
     # keyed lookup / build: refused from the processor's ids, before any cache is built
-    import torchtitan_ext.vl.cache as vl_cache
+    import torchtitan_ext.vl.build as vl_cache
 
     def no_build(*a, **k):
         raise AssertionError("a cache was built before the special-token check")
