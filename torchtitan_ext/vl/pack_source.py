@@ -183,8 +183,8 @@ def open_packs(
             remainder=req.remainder,  # type: ignore[arg-type]
             block_size=block_size,
         )
-        cache = ds.cache
-        return Packs("cache", path, ds, dict(cache.special_tokens), dict(cache.metadata))  # type: ignore[attr-defined]
+        cache: Any = ds.cache
+        return Packs("cache", path, ds, dict(cache.special_tokens), dict(cache.metadata))
     from torchtitan_ext.vl.online import OnlineVLDataset
 
     kw = key_args(req, seq_len)

@@ -39,6 +39,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from torchtitan_ext.vl.format import sha256_file as _sha256_stream
+
 Fingerprint = Literal["full", "quick"]
 FINGERPRINTS: tuple[str, ...] = ("full", "quick")
 DEFAULT_FINGERPRINT: Fingerprint = "full"
@@ -56,14 +58,6 @@ def _digest_store() -> Path:
     from torchtitan_ext.vl.processor import default_cache_root
 
     return default_cache_root() / "file_digests"
-
-
-def _sha256_stream(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
