@@ -78,6 +78,7 @@ build.publish_shard = slow_publish
 """
 
 
+@pytest.mark.slow
 def test_two_layouts_on_one_key_are_kept_apart(env, tmp_path):
     """A WORLD_SIZE=2 job is building; a WORLD_SIZE=1 writer on the same key is refused with a
     clear error (while the job runs), the job finishes, and the result equals a clean build."""
@@ -104,6 +105,7 @@ def test_two_layouts_on_one_key_are_kept_apart(env, tmp_path):
                          show_progress=False, **ARGS) == kdir  # fmt: skip
 
 
+@pytest.mark.slow
 def test_killed_layout_then_other_layout_cleans_and_matches(env, tmp_path):
     """A WORLD_SIZE=2 rank is SIGKILLed with a shard half written; a WORLD_SIZE=1 rerun removes
     its leftovers and gives the clean build's bytes, with no extra file."""
@@ -128,6 +130,7 @@ build.write_shard = write_then_die
     assert _tree(kdir) == _tree(env["clean"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["metadata.json", "packing_stats.json"])
 def test_sigkill_inside_atomic_json_write_then_rerun(env, tmp_path, target):
     cd = tmp_path / "c"

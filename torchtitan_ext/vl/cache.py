@@ -180,7 +180,7 @@ class VLCache:
         """Open the cache at ``path`` (a key directory); raises CacheError when it is damaged."""
         p = Path(path)
         cache = cls(p, read_manifest(p))
-        for problem in cache._layout_problems():
+        for problem in cache.layout_problems():
             raise CacheError(problem)
         return cache
 
@@ -198,9 +198,10 @@ class VLCache:
             out.update({f"{sh.rel}/{n}": size for n, size in sh.files().items()})
         return out
 
-    def _layout_problems(self, writing: bool = False) -> Iterator[str]:
-        """Manifest vs shard counts, files on disk vs manifest, meta.json vs its record, files
-        that should not be here. One message per problem, each naming its file."""
+    def layout_problems(self, writing: bool = False) -> Iterator[str]:
+        """The checks of ``open``, lazily: manifest vs shard counts, files on disk vs manifest,
+        meta.json vs its record, files that should not be here. One message per problem, each
+        naming its file. ``writing``: the writer's own check before it commits the manifest."""
         files = self.metadata["files"]
         expected = self._expected_files()
         mf = self.path / MANIFEST
@@ -360,8 +361,8 @@ class VLCache:
     def verify(self) -> list[str]:
         """Every check of ``open`` (all problems, not the first), every shard's index, and the
         sha256 of every recorded file; [] when OK. Each problem names its file."""
-        problems = list(self._layout_problems())
-        metas = {f"{sh.rel}/{SHARD_META}" for sh in self._shards}  # hashed by _layout_problems
+        problems = list(self.layout_problems())
+        metas = {f"{sh.rel}/{SHARD_META}" for sh in self._shards}  # hashed by layout_problems
         for rel, rec in self.metadata["files"].items():
             f = self.path / rel
             if rel in metas:

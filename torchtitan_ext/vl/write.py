@@ -364,10 +364,9 @@ def write_manifest(
     meta["digest"] = manifest_digest(meta)
     cache = VLCache(kdir, meta)
     try:
-        for problem in cache._layout_problems(writing=True):
+        for problem in cache.layout_problems(writing=True):
             raise CacheError(problem)
-        for s in range(len(ranges)):
-            cache._arrays(s)  # every shard's index
+        cache.pack_lengths()  # maps every shard: checks every shard's index
     except CacheError as e:
         raise RuntimeError(f"refusing to commit a cache that fails its own checks: {e}") from None
     write_json_atomic(kdir / MANIFEST, meta)
