@@ -202,13 +202,15 @@ def test_close_reports_a_read_that_never_returns(tmp_path, tok, monkeypatch, cap
     loader = _make(f, tok)
     loader._ensure_started()
     time.sleep(0.2)
-    with caplog.at_level(logging.ERROR, logger="torchtitan_ext.text.prefetch"):
-        t0 = time.monotonic()
-        assert loader.close(timeout=0.5) is False
-        assert time.monotonic() - t0 < 2
-    msg = "\n".join(r.getMessage() for r in caplog.records)
-    assert "did not stop within" in msg and "parquet-prefetch" in msg
-    release.set()  # the read returns: everything then ends by itself
+    try:
+        with caplog.at_level(logging.ERROR, logger="torchtitan_ext.text.prefetch"):
+            t0 = time.monotonic()
+            assert loader.close(timeout=0.5) is False
+            assert time.monotonic() - t0 < 2
+        msg = "\n".join(r.getMessage() for r in caplog.records)
+        assert "did not stop within" in msg and "parquet-prefetch" in msg
+    finally:
+        release.set()  # the read returns: everything then ends by itself
     deadline = time.monotonic() + 5
     while _loader_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -317,18 +319,36 @@ def layout_dirs(tmp_path_factory) -> dict[str, Path]:
         d.mkdir()
         _write(d / "part-0.parquet", arr, row_group_size=23)
         dirs[name] = d
-    # one dataset whose files each use a different layout (chunked as the reader meets them)
-    d = root / "mixed_files"
+    # Datasets whose files each use a different layout. Which comes first matters to a reader
+    # that casts every file to the first one's type (datasets does): a view first, then a
+    # dictionary of binary, has no such cast; binary first makes every value bytes.
+    parts = [f"part-{i}.parquet" for i in range(len(MIXED_ORDER))]
+    for name, order in (("mixed_files", MIXED_ORDER), ("mixed_binary_first", MIXED_ORDER[::-1])):
+        d = root / name
+        d.mkdir()
+        layouts = _layouts(texts[:36])
+        for part, kind in zip(parts, order, strict=True):
+            _write(d / part, layouts[kind], row_group_size=7)
+        dirs[name] = d
+    d = root / "mixed_plain"
     d.mkdir()
-    for i, (name, arr) in enumerate(_layouts(texts[:36]).items()):
-        _write(d / f"part-{i}-{name}.parquet", arr, row_group_size=7)
-    dirs["mixed_files"] = d
-    plain_mixed = root / "mixed_plain"
-    plain_mixed.mkdir()
-    for i, name in enumerate(_layouts(texts[:36])):
-        _write(plain_mixed / f"part-{i}-{name}.parquet", texts[:36], pa.string(), row_group_size=7)
-    dirs["mixed_plain"] = plain_mixed
+    for part in parts:
+        _write(d / part, texts[:36], pa.string(), row_group_size=7)
+    dirs["mixed_plain"] = d
     return dirs
+
+
+MIXED_ORDER = [
+    "string_view",
+    "dictionary_binary",
+    "large_string",
+    "dictionary",
+    "chunked_dictionary",
+    "string",
+    "dictionary_large",
+    "binary_view",
+    "binary",
+]
 
 
 @pytest.mark.parametrize(
@@ -343,10 +363,11 @@ def layout_dirs(tmp_path_factory) -> dict[str, Path]:
         "dictionary_binary",
         "chunked_dictionary",
         "mixed_files",
+        "mixed_binary_first",
     ],
 )
 def test_every_text_layout_gives_the_batches_of_a_plain_string_column(layout_dirs, tok, layout):
-    plain = layout_dirs["mixed_plain" if layout == "mixed_files" else "string"]
+    plain = layout_dirs["mixed_plain" if layout.startswith("mixed") else "string"]
     kw = dict(infinite=False, shuffle=False, on_bad_input="error")
 
     def parquet_rows(d):

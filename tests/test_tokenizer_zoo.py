@@ -516,3 +516,19 @@ def test_brute_force_agreement_on_random_tiny_merge_lists():
             accepted += 1
             assert same, merges
     assert accepted > 30 and refused_and_differ > 10
+
+
+@pytest.mark.parametrize(
+    "name", ["added_non_special", "appended_merges_qjv", "normalizer_nfkc", "prefix_space"]
+)
+def test_each_refusal_was_needed(built, name):
+    """Forcing the old, unproven conversion (merge order as rank, GPT-2 split) onto a refused
+    tokenizer gives wrong ids on some text, so the refusal is not overcautious there."""
+    tok = _get(built, name)
+    spec = json.loads(tok.to_str())
+    results = [a + b for a, b in fast_bpe._merge_pairs(spec["model"])]
+    naive = fast_bpe.TiktokenEngine(spec, fast_bpe.GPT2_PATTERN, list(dict.fromkeys(results)))
+    texts = [*HELDOUT, "QJV ate a JV"]  # the last: the reported repro of hand-appended merges
+    ref = _reference(tok, texts)
+    wrong = [t for t, r in zip(texts, ref, strict=True) if naive.encode(t).tolist() != r]
+    assert wrong
