@@ -1,7 +1,7 @@
 """PrefetchingParquetLoader: Parquet row groups -> background read, batched tokenization and
 BOS-aligned packing -> bounded queue of ready batches -> ``({"input", "positions"}, labels)``.
 
-Why a thread (not processes). The expensive step, tokenization, runs in Rust (the verified
+Why a thread (not processes). The expensive step, tokenization, runs in Rust (the proven
 tiktoken engine of :class:`~torchtitan_ext.text.tokenize.TextTokenizer`, or ``tokenizers``'
 ``encode_batch``) and releases the GIL, and so do pyarrow's Parquet reads; one background thread
 therefore overlaps them with the training loop, on another core, without pickling documents
