@@ -55,23 +55,24 @@ def corpus(embedded) -> list[str]:
     return list(iter_texts(embedded))[:300]
 
 
-def _with_specials(tok: Tokenizer, bos: str = BOS, eos: str = EOS) -> Tokenizer:
-    tok.add_special_tokens([bos, eos])
+def _trained(corpus, model, trainer, **parts) -> Tokenizer:
+    """A tokenizer with ``model`` and the given parts (normalizer, pre_tokenizer, decoder),
+    trained on ``corpus``."""
+    tok = Tokenizer(model)
+    for name, part in parts.items():
+        setattr(tok, name, part)
+    tok.train_from_iterator(corpus, trainer)
     return tok
 
 
-def _train_byte_level(corpus, pre, vocab_size=1200) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre
-    tok.decoder = decoders.ByteLevel()
+def _train_byte_level(corpus, pre) -> Tokenizer:
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=1200,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[BOS, EOS],
         min_frequency=2,
     )
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return _trained(corpus, models.BPE(), trainer, pre_tokenizer=pre, decoder=decoders.ByteLevel())
 
 
 def _llama3_pre() -> pre_tokenizers.PreTokenizer:
@@ -143,20 +144,22 @@ def _zoo() -> dict[str, tuple[Callable[[Tokenizer, list[str]], Tokenizer], str, 
         return f
 
     def metaspace(base, corpus):
-        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        tok.decoder = decoders.Metaspace()
-        trainer = trainers.BpeTrainer(vocab_size=900, special_tokens=["<unk>", BOS, EOS])
-        tok.train_from_iterator(corpus, trainer)
-        return tok
+        return _trained(
+            corpus,
+            models.BPE(unk_token="<unk>", byte_fallback=True),
+            trainers.BpeTrainer(vocab_size=900, special_tokens=["<unk>", BOS, EOS]),
+            pre_tokenizer=pre_tokenizers.Metaspace(),
+            decoder=decoders.Metaspace(),
+        )
 
     def wordpiece(base, corpus):
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.BertNormalizer()
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        trainer = trainers.WordPieceTrainer(vocab_size=900, special_tokens=["[UNK]", BOS, EOS])
-        tok.train_from_iterator(corpus, trainer)
-        return tok
+        return _trained(
+            corpus,
+            models.WordPiece(unk_token="[UNK]"),
+            trainers.WordPieceTrainer(vocab_size=900, special_tokens=["[UNK]", BOS, EOS]),
+            normalizer=normalizers.BertNormalizer(),
+            pre_tokenizer=pre_tokenizers.BertPreTokenizer(),
+        )
 
     def llama3(base, corpus):
         return _train_byte_level(corpus, _llama3_pre())
