@@ -530,7 +530,9 @@ def test_each_refusal_was_needed(built, name):
     tok = _get(built, name)
     spec = json.loads(tok.to_str())
     results = [a + b for a, b in fast_bpe._merge_pairs(spec["model"])]
-    naive = fast_bpe.TiktokenEngine(spec, fast_bpe.GPT2_PATTERN, list(dict.fromkeys(results)))
+    naive = fast_bpe.TiktokenEngine(
+        fast_bpe.Proof.of(spec, fast_bpe.GPT2_PATTERN, list(dict.fromkeys(results)))
+    )
     texts = [*HELDOUT, "QJV ate a JV"]  # the last: the reported repro of hand-appended merges
     ref = _reference(tok, texts)
     wrong = [t for t, r in zip(texts, ref, strict=True) if naive.encode(t).tolist() != r]

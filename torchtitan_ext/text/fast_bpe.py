@@ -252,37 +252,30 @@ def _whole_pre_token(pre: Any, token: str, u2b: dict[str, int]) -> bool:
     return [piece for piece, _ in pre.pre_tokenize_str(text)] == [token]
 
 
-class TiktokenEngine:
-    """A tiktoken ``Encoding`` over the same merges, plus a rank -> id lookup table."""
+@dataclass(frozen=True)
+class Proof:
+    """What the engine is built from once equality is proven: the split pattern, and every
+    token tiktoken may emit as bytes, in rank order (the 256 single bytes first, then the merge
+    results in tokenizers' merge order), with its id."""
 
-    def __init__(self, spec: dict[str, Any], pattern: str, tokens: list[str]) -> None:
-        import tiktoken
+    pattern: str
+    ranked: tuple[bytes, ...]
+    ids: tuple[int, ...]
 
+    @classmethod
+    def of(cls, spec: dict[str, Any], pattern: str, tokens: list[str]) -> Proof:
         u2b = _byte_level_decoder()
         vocab: dict[str, int] = spec["model"]["vocab"]
         b2u = {b: c for c, b in u2b.items()}
-        # Single bytes get ranks 0..255 (tiktoken never ranks them against merges); each merge
-        # result the next rank, in tokenizers' merge order.
-        ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
-        ids: list[int] = [vocab[b2u[b]] for b in range(256)]
-        for t in tokens:
-            ranks[bytes(u2b[c] for c in t)] = len(ranks)
-            ids.append(vocab[t])
-        self.enc = tiktoken.Encoding(
-            "torchtitan_ext", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
-        )
-        self.lut = np.asarray(ids, dtype=np.int64)
-
-    def encode(self, text: str) -> np.ndarray:
-        return self.lut[np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)]
+        ranked = [bytes([b]) for b in range(256)] + [bytes(u2b[c] for c in t) for t in tokens]
+        ids = [vocab[b2u[b]] for b in range(256)] + [vocab[t] for t in tokens]
+        return cls(pattern, tuple(ranked), tuple(ids))
 
 
 @functools.lru_cache(maxsize=8)
-def plan(spec_str: str) -> TiktokenEngine | Refusal:
-    """The tiktoken engine for a ``tokenizer.json`` (as a string) if equality with
-    ``tokenizers`` is proven (module docstring), else why not. Cached: a job builds a
-    tokenizer per loader (train, validation) from the same file, and the engine is immutable
-    and thread-safe, so they share one."""
+def prove(spec_str: str) -> Proof | Refusal:
+    """The module's conditions for a ``tokenizer.json`` (as a string): a :class:`Proof`, or
+    why not. Cached (immutable): a job builds a tokenizer per loader from the same file."""
     spec = json.loads(spec_str)
     pattern = check_pipeline(spec)
     if isinstance(pattern, Refusal):
@@ -290,7 +283,34 @@ def plan(spec_str: str) -> TiktokenEngine | Refusal:
     merged = check_merges(spec)
     if isinstance(merged, Refusal):
         return merged
+    return Proof.of(spec, pattern, merged[0])
+
+
+class TiktokenEngine:
+    """A tiktoken ``Encoding`` over the proven ranks, plus a rank -> id lookup table."""
+
+    def __init__(self, proof: Proof) -> None:
+        import tiktoken
+
+        # Single bytes get ranks 0..255 (tiktoken never ranks them against merges).
+        ranks = {b: r for r, b in enumerate(proof.ranked)}
+        self.enc = tiktoken.Encoding(
+            "torchtitan_ext", pat_str=proof.pattern, mergeable_ranks=ranks, special_tokens={}
+        )
+        self.lut = np.asarray(proof.ids, dtype=np.int64)
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.lut[np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)]
+
+
+def plan(spec_str: str) -> TiktokenEngine | Refusal:
+    """A tiktoken engine for a ``tokenizer.json`` (as a string) if equality with ``tokenizers``
+    is proven (module docstring), else why not. Each call builds its own engine (the proof is
+    cached), so no tokenizer shares mutable state with another."""
+    proof = prove(spec_str)
+    if isinstance(proof, Refusal):
+        return proof
     try:
-        return TiktokenEngine(spec, pattern, merged[0])
+        return TiktokenEngine(proof)
     except ImportError:
         return Refusal("tiktoken is not installed", True)

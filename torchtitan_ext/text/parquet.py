@@ -20,9 +20,10 @@ fixed for the whole run, so ranks never read each other's rows (disjoint) and ev
 an owner (complete). Each rank's stream then cycles *its own* row groups epoch after epoch, each
 epoch in an order reshuffled by ``(seed, epoch)``; a rank with fewer row groups simply starts its
 next epoch earlier, so uneven counts never leave a rank without data while the others wait in a
-collective. A rank that would own no row group at all fails loudly at construction, naming the
-counts — we do not "borrow" another rank's row groups, because that would silently break
-disjointness.
+collective. A rank that would own no row group at all, or only empty ones, fails loudly at
+construction, naming the counts — we do not "borrow" another rank's row groups, because that
+would silently break disjointness. An endless stream whose whole epoch yields no usable document
+raises :class:`~torchtitan_ext.text.errors.NoUsableDocuments` instead of cycling forever.
 
 Cursor. The position in a rank's stream is three ints ``(epoch, index in the epoch order, row in
 the row group)``; :meth:`ParquetSource.iter_chunks` restarts from any cursor exactly, which is
@@ -40,6 +41,8 @@ kept open (LRU).
 Bad input is handled per :mod:`torchtitan_ext.text.errors`: a missing column, NULL or non-string
 values, empty documents, invalid UTF-8 (binary columns are decoded strictly) and unreadable files
 or row groups raise :class:`BadInputError` naming file / row group / row, or are counted as skips.
+Text columns may be plain, large, view or dictionary-encoded strings or binaries
+(:mod:`torchtitan_ext.text.columns`).
 """
 
 from __future__ import annotations

@@ -29,8 +29,15 @@ Pipeline and its invariants:
   consumer's), and a note names the thread. Bad input (``BadInputError``) therefore surfaces with
   file / row group / row.
 * **Shutdown** — ``close()``, ``with loader:`` and a ``weakref.finalize`` (which also runs at
-  interpreter exit) set a stop event (which also ends a producer's sleep on a full queue), clear
-  the queue, and join the thread. The thread holds no reference to the loader, so dropping the loader stops it too.
+  interpreter exit) set a stop event, clear the queue, and join the thread. Every loop of the
+  producer and of the source checks the event (also a sleep on a full queue and a wait for a
+  read), and the source's read-ahead threads end with the producer (reads not started are
+  cancelled), so ``close()`` waits at most for the reads in flight; a thread still alive after
+  its timeout (a read that never returns) is logged with where it is blocked. The thread holds
+  no reference to the loader, so dropping the loader stops it too.
+* **End of data** — a finite pass ends with the state after its last row (the counts include
+  rows read after the last batch); an endless stream whose whole epoch yields no usable document
+  raises :class:`~torchtitan_ext.text.errors.NoUsableDocuments` from ``next()``.
 * **Exact resume** — with every batch the producer queues a *snapshot* of its state right after
   that batch: the source cursor (epoch, row group, row) of the last chunk it read, a shallow copy
   of the packer's buffer (~20 us for 1000 documents; the document arrays are shared, never
