@@ -225,9 +225,11 @@ def run(args: BenchArgs) -> list[Row]:
     corpus = build_corpus(target_mb=mb)
     tok_dir = str(gpt2_tokenizer_dir())
     # Same tokenizer (GPT-2 vocab + merges) for every loader. Ours and sync encode with the
-    # tiktoken engine of TextTokenizer (ids verified equal to `tokenizers`', see
-    # tests/test_tokenize.py); "ours, tokenizers engine" isolates what the engine buys.
+    # tiktoken engine of TextTokenizer (ids proven equal to `tokenizers`': see
+    # torchtitan_ext/text/fast_bpe.py); "ours, tokenizers engine" isolates what the engine buys.
     tok = TextTokenizer.from_path(tok_dir)
+    if tok.engine != "tiktoken":  # the headline rows would silently measure the slow engine
+        raise RuntimeError(f"GPT-2 did not get the tiktoken engine: {tok.engine_reason}")
     tok_hf = TextTokenizer.from_path(tok_dir, engine="hf")
 
     makers: dict[str, Callable[[float], Callable[[], Any]]] = {
