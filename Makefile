@@ -1,6 +1,7 @@
 # torchtitan_ext — one-command set-up on a fresh machine (CPU-only is fine).
 #   make demo   : venv + install + embedded data, then train the llama3 debug model ~20 steps on CPU
 #   make test   : venv + install, then the test suite
+#   make bench-results : every benchmark, then benchmarks/RESULTS.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ CONFIG ?= train_configs/llama3_debug_cpu.toml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-resume test test-fast lint bench clean-demo
+.PHONY: setup demo demo-resume test test-fast lint bench bench-results clean-demo
 
 setup: $(STAMP)
 
@@ -45,3 +46,10 @@ lint: setup
 
 bench: setup
 	$(PY) -m benchmarks --list
+
+# Run every benchmark case and regenerate benchmarks/RESULTS.md (long: ~1 h on 2 cores).
+#   make bench-results BENCH_ARGS="--quick"    a smoke run of the generator
+#   make bench-results BENCH_ARGS="--note 'quiet machine'"
+BENCH_ARGS ?=
+bench-results: setup
+	$(PY) -m benchmarks --results $(BENCH_ARGS)
