@@ -4,8 +4,8 @@ The question it answers is ``preprocess-cached --num-workers``'s default
 (``vl.build.default_num_workers``). Each round builds the same cache (640x480 JPEG rows, COCO /
 VQAv2-sized, seq_len 8192, ~20 images per pack, shards of a quarter of the rows so the pool
 works on one shard while the main process packs, writes, hashes and fsyncs the previous one)
-once per worker count, in an order that rotates every round, from scratch; the cache is deleted
-between builds. Ratios are against 0 workers measured in the same rounds. Timings include the
+once per worker count, in an order that rotates every round (``benchmarks.common.interleave``, noise guard with one
+re-take), from scratch; the cache is deleted between builds. Ratios are against 0 workers measured in the same rounds. Timings include the
 pool's start-up, as a user's build does.
 
 Options (``--set key=value``): ``workers`` (comma list, default ``0,1,...,cpu_count``), ``rows``
@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import BenchArgs, Row, compare
+from benchmarks.common import BenchArgs, Row, compare, interleave, row_from
 
 
 def run(args: BenchArgs) -> list[Row]:
@@ -40,32 +39,33 @@ def run(args: BenchArgs) -> list[Row]:
     os.environ["TORCHTITAN_EXT_CACHE"] = str(tmp / "home")
     try:
         data = _coco_like_dataset(tmp / "data", n_rows)
-        times: dict[int, list[float]] = {w: [] for w in counts}
-        packs = 0
-        for r in range(rounds + 1):  # round 0 warms the page cache and the processor
-            order = counts[r % len(counts) :] + counts[: r % len(counts)]
-            for w in order:
+
+        def build(w: int):
+            def go() -> float:
                 shutil.rmtree(tmp / "cache", ignore_errors=True)
                 t0 = time.perf_counter()
                 k = build_cache(data, "train", tmp / "cache", 8192, 64, num_workers=w,
                                 show_progress=False, rows_per_shard=max(1, n_rows // 4))  # fmt: skip
                 dt = time.perf_counter() - t0
-                packs = json.loads((k / "metadata.json").read_text())["counts"]["packs"]
-                if r:
-                    times[w].append(dt / packs)
+                return dt / json.loads((k / "metadata.json").read_text())["counts"]["packs"]
+
+            return go
+
+        # round 0 (warm-up) warms the page cache and the processor; the order rotates per round
+        t = interleave({w: build(w) for w in counts}, rounds, 1, args.guard(max_retakes=1))
+        packs = json.loads(next((tmp / "cache").glob("*/metadata.json")).read_text())["counts"]
         rows = []
         for w in counts:
-            xs = sorted(times[w])
             rows.append(
-                Row(
-                    case=f"build s/pack, {w} workers" + (" (in process)" if w == 0 else ""),
-                    value=statistics.median(xs),
-                    unit="s/pack",
-                    higher_is_better=False,
-                    samples=xs,
-                    info={"packs": packs, "rows": n_rows, "cpus": n_cpu, "rounds": rounds},
+                row_from(
+                    f"build s/pack, {w} workers" + (" (in process)" if w == 0 else ""),
+                    t[w],
+                    "s/pack",
+                    group="build",
+                    info={"packs": packs["packs"], "rows": n_rows, "cpus": n_cpu,
+                          "rounds": rounds},
                 )
-            )
+            )  # fmt: skip
         base = rows[counts.index(0)].case if 0 in counts else rows[0].case
         for r in rows:
             if r.case != base:

@@ -161,10 +161,19 @@ def test_benchmark_quick_smoke(env):
     from benchmarks.common import BenchArgs
     from benchmarks.vl_preprocess import run
 
-    rows = run(BenchArgs(repeats=1, warmup=0, quick=True))
-    names = {r.case for r in rows}
-    assert any(n.startswith("per image ours") for n in names)
-    assert any("bytes per pack" in n for n in names)
+    rows = {r.case: r for r in run(BenchArgs(repeats=1, warmup=0, quick=True))}
+    label = "[640x480 JPEG, COCO-sized]"
+    head = rows[f"per image ours -> float32 {label}"]  # like for like: equal float32 outputs
+    assert head.baseline == f"per image HF Qwen3VLProcessor (PIL), float32 {label}"
+    assert head.info["pixels_identical"] and head.ratio > 0
+    u8 = rows[f"per image ours uint8, normalisation on the device {label}"]
+    assert "not like for like" in u8.note
+    fast = rows[f"per image HF Qwen3VLProcessor, fast (torchvision), float32 {label}"]
+    assert fast.note is None or fast.note.startswith("not measured")  # measured, or says why not
+    assert any("bytes per pack" in n for n in rows)
+    # every ratio is against a row of this run; nothing quoted from elsewhere
+    assert all(r.baseline in rows for r in rows.values() if r.baseline)
+    assert not any("seed" in n.lower() for n in rows)
 
 
 @pytest.mark.slow
@@ -178,6 +187,14 @@ def test_benchmark_open_and_workers_smoke(env):
     ours = rows["open 100 packs ours (VLCache.open)"]
     assert ours.baseline == "baseline: open 100 packs, previous open path"
     assert 40 <= ours.info["packs_per_shard"] <= 48  # 8k-token packs, 1,024 rows per shard
+    extra = {"cases": "step", "rows": "60"}
+    rows = {r.case: r for r in run_dataset(BenchArgs(repeats=1, warmup=0, quick=True, extra=extra))}
+    hf_online = "baseline: HF online (Qwen3VLProcessor on one pack's rows, float32)"
+    assert rows["step hf float32 on CPU (collate)"].baseline == hf_online  # float32 both sides
+    assert rows["step hf u8 (fetch+collate)"].baseline == "baseline: ours online, hf u8 (no cache)"
+    cold = rows["cold read: step hf u8, fetch+collate"]
+    assert cold.info["rows_per_shard"] == 1024 and cold.info["resident_after_evict"] < 0.5
+    assert all(r.baseline in rows for r in rows.values() if r.baseline)
     extra = {"workers": "0,1", "rows": "24"}
     rows = run_workers(BenchArgs(repeats=1, warmup=0, quick=True, extra=extra))
     assert [r.case for r in rows] == [
