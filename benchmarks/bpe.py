@@ -16,10 +16,9 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from importlib import resources
 
-from benchmarks.common import BenchArgs, Row, compare, median_time
+from benchmarks.common import BenchArgs, Row, call, compare, interleave, row_from
 
 SPECIAL = "<|endoftext|>"
 _SOURCES = ("war_and_peace.txt.gz", "tinyshakespeare.txt.gz")
@@ -65,26 +64,6 @@ def build_corpus(path: str, target_bytes: int, seed: int = 0) -> int:
     return len(data)
 
 
-def _idle_fraction(seconds: float = 1.0) -> float | None:
-    """Fraction of all CPUs idle over ``seconds`` (Linux /proc/stat; None elsewhere).
-
-    Recorded next to the 1-vs-2-worker rows: on a shared box another job on one core turns a
-    1.8x speed-up into ~1.0x, and this says whether that happened."""
-
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        return sum(v), v[3] + v[4]
-
-    try:
-        t1, i1 = snap()
-        time.sleep(seconds)
-        t2, i2 = snap()
-    except OSError:  # no /proc (not Linux): the diagnostic is simply absent
-        return None
-    return (i2 - i1) / max(1, t2 - t1)
-
-
 def _hf_train(path: str, vocab: int) -> int:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -123,40 +102,30 @@ def _run(args: BenchArgs, path: str) -> list[Row]:
     info = {"corpus_bytes": size, "vocab_size": vocab, "native": native_available()}
 
     rows: list[Row] = []
-    # Pre-tokenization first (the rows most sensitive to other jobs on a shared box), 1 vs 2
-    # workers interleaved (1, 2, 1, 2, ...): the load drifts between runs, and
-    # interleaving exposes both settings to the same drift.
-    idle_before = _idle_fraction()
-    samples_w: dict[int, list[float]] = {1: [], 2: []}
-    cpu_w: dict[int, list[BPEStats]] = {1: [], 2: []}
-    for rep in range(warmup + repeats):
-        for w in (1, 2):
+
+    # Pre-tokenization at 0 (in process), 1 and 2 workers, interleaved: the rows most sensitive
+    # to other jobs on a shared box; the noise guard re-takes samples taken while it was busy.
+    def pretok(w: int):
+        def go() -> BPEStats:
             st = BPEStats()
-            t0 = time.perf_counter()
             count_file_pretokens(path, [SPECIAL], num_workers=w, stats=st)
-            if rep >= warmup:
-                samples_w[w].append(time.perf_counter() - t0)
-                cpu_w[w].append(st)
+            return st
+
+        return go
+
+    t = interleave({w: pretok(w) for w in (1, 2, 0)}, repeats, warmup, args.guard())
     for w in (1, 2):
+        st = t[w].results
         rows.append(
-            Row(
-                f"ours pre-tokenize+count, {w} worker(s)",
-                statistics.median(samples_w[w]),
-                "s",
-                higher_is_better=False,
-                samples=samples_w[w],
+            row_from(
+                f"ours pre-tokenize+count, {w} worker(s)", t[w], "s", group="pretok",
                 info={
-                    "worker_cpu_s_max": statistics.median(
-                        x.extra["worker_cpu_s_max"] for x in cpu_w[w]
-                    ),
-                    "worker_cpu_s_sum": statistics.median(
-                        x.extra["worker_cpu_s_sum"] for x in cpu_w[w]
-                    ),
-                    "cpu_idle_before": idle_before,
+                    "worker_cpu_s_max": statistics.median(x.extra["worker_cpu_s_max"] for x in st),
+                    "worker_cpu_s_sum": statistics.median(x.extra["worker_cpu_s_sum"] for x in st),
                     "load_avg_1min": os.getloadavg()[0],
                 },
             )
-        )
+        )  # fmt: skip
     r2 = compare(rows, rows[-1].case, rows[-2].case)
     if not args.quick:  # targets are about the 5 MB / 10k setting, not the smoke run
         r2.target = ">=1.8x"
@@ -166,53 +135,33 @@ def _run(args: BenchArgs, path: str) -> list[Row]:
     r2.info["cpu_critical_path_speedup"] = (
         rows[-2].info["worker_cpu_s_sum"] / r2.info["worker_cpu_s_max"]
     )
-    t, samples = median_time(
-        lambda: count_file_pretokens(path, [SPECIAL], num_workers=0), repeats, warmup
-    )
-    rows.append(
-        Row(
-            "ours pre-tokenize+count, in-process (0)",
-            t,
-            "s",
-            higher_is_better=False,
-            samples=samples,
-        )
-    )
-    hf_s, hf_samples = median_time(lambda: _hf_train(path, vocab), repeats, warmup)
-    hf_row = Row(
-        "HF tokenizers BpeTrainer (total)",
-        hf_s,
-        "s",
-        higher_is_better=False,
-        samples=hf_samples,
-        info={**info, "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM")},
-    )
-    rows.append(hf_row)
+    rows.append(row_from("ours pre-tokenize+count, in-process (0)", t[0], "s", group="pretok"))
 
+    # Whole training, HF BpeTrainer vs ours (each engine), interleaved.
     last: dict[str, object] = {}
 
-    def ours(engine: str) -> None:
-        st = BPEStats()
-        v, m = train_bpe(path, vocab, [SPECIAL], workers, engine=engine, stats=st)
-        last[engine] = (m, st)
+    def ours(engine: str):
+        def go() -> None:
+            st = BPEStats()
+            v, m = train_bpe(path, vocab, [SPECIAL], workers, engine=engine, stats=st)
+            last[engine] = (m, st)
+
+        return go
 
     engines = ["native", "python"] if native_available() else ["python"]
+    fns = {"hf": call(_hf_train, path, vocab)} | {e: ours(e) for e in engines}
+    t = interleave(fns, repeats, warmup, args.guard(max_retakes=1))
+    hf_row = row_from("HF tokenizers BpeTrainer (total)", t["hf"], "s", group="train",
+                      info={**info, "TOKENIZERS_PARALLELISM":
+                            os.environ.get("TOKENIZERS_PARALLELISM")})  # fmt: skip
+    rows.append(hf_row)
     for engine in engines:
-        t, samples = median_time(lambda e=engine: ours(e), repeats, warmup)
         m, st = last[engine]
-        row = Row(
-            f"ours train_bpe {engine} merges, {workers} workers",
-            t,
-            "s",
-            higher_is_better=False,
-            samples=samples,
-            info={
-                "pretokenize_s": st.pretokenize_s,
-                "merge_s": st.merge_s,
-                "merges": st.merges,
-                "unique_pretokens": st.unique_pretokens,
-            },
-        )
+        row = row_from(
+            f"ours train_bpe {engine} merges, {workers} workers", t[engine], "s", group="train",
+            info={"pretokenize_s": st.pretokenize_s, "merge_s": st.merge_s, "merges": st.merges,
+                  "unique_pretokens": st.unique_pretokens},
+        )  # fmt: skip
         rows.append(row)
         compare(rows, row.case, hf_row.case)
         if engine == engines[0] and not args.quick:

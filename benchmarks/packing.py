@@ -21,18 +21,23 @@ the first third), because best-fit crop changes as over-long documents accumulat
 the first 200 batches are reported too. crop % = tokens discarded / tokens taken from documents
 in the window; fill % = real tokens / row capacity.
 
+Cost per row: our packers and the literal pure-Python linear scan, each on a fresh full buffer
+of the same stream, interleaved (``benchmarks.common.interleave``).
+
 Options (``--set key=value``): ``mb`` (40; quick 3), ``batches`` (8000 ~ 12 epochs; quick 300), ``buffer``
-(1000), ``linear_rows`` (rows timed for the pure-Python linear scan, 2000; quick 300).
+(1000), ``linear_rows`` (rows timed for the pure-Python linear scan, 2000; quick 300),
+``timing_rows`` (rows timed for ours, 20000; quick 2000).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import BenchArgs, Row, compare
+from benchmarks.common import BenchArgs, Row, compare, interleave, row_from
 from benchmarks.text_corpus import build_corpus, corpus_files, gpt2_tokenizer_dir
 from torchtitan_ext.text.packing import BestFitPacker, ConcatSplitPacker
 
@@ -155,27 +160,54 @@ def run_nanochat(lengths: np.ndarray, batches: int, buffer: int) -> Window:
     return win
 
 
-def time_linear_python(lengths: np.ndarray, rows: int, buffer: int) -> float:
-    """Seconds per row of the literal pure-Python linear scan (nanochat's implementation style)."""
-    src = stream(lengths)
-    buf = [next(src) for _ in range(buffer)]
-    t0 = time.perf_counter()
-    for _ in range(rows):
-        while len(buf) < buffer:
-            buf.append(next(src))
-        rem = R
-        while rem > 0:
-            best, best_len = -1, 0
-            for i, n in enumerate(buf):
-                if best_len < n <= rem:
-                    best, best_len = i, n
-            if best >= 0:
-                rem -= buf.pop(best)
-            else:
-                shortest = min(range(len(buf)), key=buf.__getitem__)
-                buf.pop(shortest)
-                rem = 0
-    return (time.perf_counter() - t0) / rows
+def time_linear_python(lengths: np.ndarray, rows: int, buffer: int) -> Callable[[], float]:
+    """Seconds per row of the literal pure-Python linear scan (nanochat's implementation style);
+    one call = one sample on a fresh, full buffer."""
+
+    def go() -> float:
+        src = stream(lengths)
+        buf = [next(src) for _ in range(buffer)]
+        t0 = time.perf_counter()
+        for _ in range(rows):
+            while len(buf) < buffer:
+                buf.append(next(src))
+            rem = R
+            while rem > 0:
+                best, best_len = -1, 0
+                for i, n in enumerate(buf):
+                    if best_len < n <= rem:
+                        best, best_len = i, n
+                if best >= 0:
+                    rem -= buf.pop(best)
+                else:
+                    shortest = min(range(len(buf)), key=buf.__getitem__)
+                    buf.pop(shortest)
+                    rem = 0
+        return (time.perf_counter() - t0) / rows
+
+    return go
+
+
+def time_ours(lengths: np.ndarray, mode: str, rows: int, buffer: int) -> Callable[[], float]:
+    """Seconds per row of our packer (best-fit or zero-discard) over ``rows`` rows after a
+    warm-up of ``buffer`` documents; one call = one sample."""
+
+    def go() -> float:
+        zeros = np.zeros(int(lengths.max()) + 1, dtype=np.int64)
+        src = stream(lengths)
+        p = BestFitPacker(T, 0, mode=mode, buffer_docs=buffer)
+        tok_buf = np.empty(R, dtype=np.int64)
+        pos_buf = np.empty(R, dtype=np.int64)
+        for _ in range(buffer):
+            p.add(zeros[: next(src)])
+        t0 = time.perf_counter()
+        for _ in range(rows):
+            while not p.ready():
+                p.add(zeros[: next(src)])
+            p.pop_row_into(tok_buf, pos_buf)
+        return (time.perf_counter() - t0) / rows
+
+    return go
 
 
 def ffd_bound(lengths: np.ndarray, buffer: int) -> dict[str, float]:
@@ -208,6 +240,7 @@ def run(args: BenchArgs) -> list[Row]:
     batches = int(ex.get("batches", 300 if q else 8000))
     buffer = int(ex.get("buffer", 1000))
     linear_rows = int(ex.get("linear_rows", 300 if q else 2000))
+    timing_rows = int(ex.get("timing_rows", 2000 if q else 20000))
     lo = int(ex.get("skip", batches // 3))
     lengths = doc_lengths(build_corpus(target_mb=mb))
     info = {
@@ -238,7 +271,6 @@ def run(args: BenchArgs) -> list[Row]:
     results["nanochat linear"]["overlong_docs_in_buffer_at_end"] = win.overlong_in_buffer
     first["nanochat linear"] = win.summary(0, min(200, batches))
     results["FFD bound"] = ffd_bound(lengths, buffer)
-    cost["nanochat linear (pure Python scan)"] = time_linear_python(lengths, linear_rows, buffer)
 
     rows: list[Row] = []
     for name, r in results.items():
@@ -283,8 +315,18 @@ def run(args: BenchArgs) -> list[Row]:
         "<= 24% @100% fill",
         results["ours best-fit"]["crop_pct"] <= 24.0 and fill_ok,
     )
-    for name, secs in cost.items():
-        rows.append(Row(f"pack time per row {name}", secs * 1e6, "us/row", higher_is_better=False))
+    # packing cost per row, interleaved (ours and the pure-Python linear scan on the same stream)
+    t = interleave(
+        {
+            "ours best-fit": time_ours(lengths, "crop", timing_rows, buffer),
+            "ours zero-discard": time_ours(lengths, "zero_discard", timing_rows, buffer),
+            "nanochat linear (pure Python scan)": time_linear_python(lengths, linear_rows, buffer),
+        },
+        1 if q else max(3, args.repeats), 0, args.guard(),
+    )  # fmt: skip
+    for name, series in t.items():
+        rows.append(row_from(f"pack time per row {name}", series, "us/row", 1e6, group="cost",
+                             info={"cost_in_crop_run_us": cost.get(name, 0) * 1e6}))  # fmt: skip
     compare(
         rows,
         "pack time per row ours best-fit",

@@ -21,11 +21,13 @@ Options (``--set key=value``): ``batches`` per timed pass (default 200; quick 20
 from __future__ import annotations
 
 import copy
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import BenchArgs, Row, compare, median_time
+from benchmarks.common import BenchArgs, Row, call, compare, interleave, row_from
 from torchtitan_ext.device.normalize import normalize_pixels
 from torchtitan_ext.device.staging import AsyncDeviceLoader
 
@@ -99,57 +101,31 @@ def _drain(it) -> int:
 def _overhead_rows(args: BenchArgs, name: str, batches: list, rows: list[Row]) -> None:
     n = len(batches)
     loader = ListLoader(batches)
-    direct, ds = median_time(lambda: _drain(loader), args.repeats, args.warmup)
     w = AsyncDeviceLoader(loader, "cpu", num_buffers=2)
-    wrapped, ws = median_time(lambda: _drain(w), args.repeats, args.warmup)
-    w.close()
     w2 = AsyncDeviceLoader(loader, "cpu", num_buffers=2, snapshot_state=False)
-    nosnap, _ = median_time(lambda: _drain(w2), args.repeats, args.warmup)
-    w2.close()
     w3 = AsyncDeviceLoader(loader, "cpu", num_buffers=2, mode="staged", device_buffers="pool")
-    staged, _ = median_time(lambda: _drain(w3), args.repeats, args.warmup)
-    w3.close()
+    fns = {k: call(_drain, it) for k, it in
+           (("direct", loader), ("wrapped", w), ("nosnap", w2), ("staged", w3))}  # fmt: skip
+    t = interleave(fns, args.repeats, args.warmup, args.guard())
+    for x in (w, w2, w3):
+        x.close()
     us = 1e6 / n
-    rows.append(Row(f"{name}: direct iteration", direct * us, "us/batch", higher_is_better=False))
-    r = Row(
-        f"{name}: AsyncDeviceLoader(cpu)",
-        wrapped * us,
-        "us/batch",
-        higher_is_better=False,
-        info={"samples_us": [s * us for s in ws], "direct_samples_us": [s * us for s in ds]},
-    )
-    rows.append(r)  # no ratio: direct iteration of an in-memory list costs ~0.1 us
-    ovh = (wrapped - direct) * us
-    rows.append(
-        Row(
-            f"{name}: wrapper overhead",
-            ovh,
-            "us/batch",
-            higher_is_better=False,
-            target="<= 200 us",
-            met=ovh <= 200,
-            info={"note": "target chosen here: <= 0.2% of a 100 ms training step"},
-        )
-    )
-    rows.append(
-        Row(
-            f"{name}: overhead without snapshots",
-            (nosnap - direct) * us,
-            "us/batch",
-            higher_is_better=False,
-        )
-    )
-    rows.append(
-        Row(
-            f"{name}: mode=staged (CPU copies)",
-            staged * us,
-            "us/batch",
-            higher_is_better=False,
-            info={
-                "note": "copies every tensor into pooled buffers; exercises the CUDA path's logic"
-            },
-        )
-    )
+    g = f"overhead {name}"
+    rows.append(row_from(f"{name}: direct iteration", t["direct"], "us/batch", us, group=g))
+    # no ratio: direct iteration of an in-memory list costs ~0.1 us
+    rows.append(row_from(f"{name}: AsyncDeviceLoader(cpu)", t["wrapped"], "us/batch", us, group=g))
+    paired = [(a - b) * us for a, b in zip(t["wrapped"].samples, t["direct"].samples, strict=True)]
+    ovh = statistics.median(paired)
+    rows.append(Row(f"{name}: wrapper overhead", ovh, "us/batch", higher_is_better=False,
+                    samples=paired, target="<= 200 us", met=ovh <= 200,
+                    note="per round: wrapped minus direct; target chosen here: <= 0.2% of a "
+                         "100 ms training step"))  # fmt: skip
+    nosnap = [(a - b) * us for a, b in zip(t["nosnap"].samples, t["direct"].samples, strict=True)]
+    rows.append(Row(f"{name}: overhead without snapshots", statistics.median(nosnap), "us/batch",
+                    higher_is_better=False, samples=nosnap))  # fmt: skip
+    rows.append(row_from(f"{name}: mode=staged (CPU copies)", t["staged"], "us/batch", us, group=g,
+                         note="copies every tensor into pooled buffers; exercises the CUDA "
+                              "path's logic"))  # fmt: skip
 
 
 def _overlap_rows(args: BenchArgs, n: int, rows: list[Row]) -> None:
@@ -161,21 +137,17 @@ def _overlap_rows(args: BenchArgs, n: int, rows: list[Row]) -> None:
         for _ in it:
             time.sleep(step_s)  # the "training step"
 
-    direct, _ = median_time(lambda: consume(loader), args.repeats, args.warmup)
     w = AsyncDeviceLoader(loader, "cpu", num_buffers=2)
-    wrapped, _ = median_time(lambda: consume(w), args.repeats, args.warmup)
+    t = interleave({"direct": lambda: consume(loader), "wrapped": lambda: consume(w)},
+                   args.repeats, args.warmup, args.guard())  # fmt: skip
     w.close()
     ms = 1e3 / n
+    base = "overlap: direct (3 ms load + 3 ms step)"
+    rows.append(row_from(base, t["direct"], "ms/step", ms, group="overlap"))
     rows.append(
-        Row(
-            "overlap: direct (3 ms load + 3 ms step)",
-            direct * ms,
-            "ms/step",
-            higher_is_better=False,
-        )
+        row_from("overlap: AsyncDeviceLoader", t["wrapped"], "ms/step", ms, group="overlap")
     )
-    rows.append(Row("overlap: AsyncDeviceLoader", wrapped * ms, "ms/step", higher_is_better=False))
-    r = compare(rows, "overlap: AsyncDeviceLoader", "overlap: direct (3 ms load + 3 ms step)")
+    r = compare(rows, "overlap: AsyncDeviceLoader", base)
     r.target, r.met = ">= 1.7x", r.ratio is not None and r.ratio >= 1.7
 
 
@@ -189,14 +161,18 @@ def _snapshot_rows(args: BenchArgs, rows: list[Row]) -> None:
     it = iter(sdl)
     for _ in range(10):
         next(it)
-    for name, obj in (("int counter", counter), ("torchdata StatefulDataLoader(workers=0)", sdl)):
+    objs = {"int counter": counter, "torchdata StatefulDataLoader(workers=0)": sdl}
 
-        def snap(obj=obj) -> None:
+    def snap(obj) -> Callable[[], None]:
+        def go() -> None:
             for _ in range(reps):
                 copy.deepcopy(obj.state_dict())
 
-        t, _ = median_time(snap, args.repeats, args.warmup)
-        rows.append(Row(f"snapshot: {name}", t / reps * 1e6, "us/batch", higher_is_better=False))
+        return go
+
+    t = interleave({k: snap(o) for k, o in objs.items()}, args.repeats, args.warmup, args.guard())
+    for name in objs:
+        rows.append(row_from(f"snapshot: {name}", t[name], "us/batch", 1e6 / reps, group="snap"))
 
 
 def _bytes_rows(rows: list[Row]) -> None:
@@ -238,6 +214,7 @@ def _gpu_rows(args: BenchArgs, n: int, rows: list[Row]) -> None:
                     higher_is_better=False,
                     target=target,
                     info={"skipped": "no CUDA"},
+                    note="not measured: no CUDA device on this machine",
                 )
             )
         return
@@ -311,20 +288,19 @@ def _gpu_rows(args: BenchArgs, n: int, rows: list[Row]) -> None:
                 step((dd, lab.to(dev)))
             torch.cuda.synchronize()
 
-        tr, _ = median_time(run_resident, args.repeats, args.warmup)
-        ts, _ = median_time(run_staged, args.repeats, args.warmup)
-        tn, _ = median_time(run_naive, args.repeats, args.warmup)
+        t = interleave({"resident": run_resident, "staged": run_staged, "naive": run_naive},
+                       args.repeats, args.warmup, args.guard())  # fmt: skip
         w.close()
         ms = 1e3 / n
-        rows.append(Row(f"GPU {what}: resident data", tr * ms, "ms/step", higher_is_better=False))
-        rows.append(
-            Row(f"GPU {what}: naive .to(device)", tn * ms, "ms/step", higher_is_better=False)
-        )
+        g = f"gpu {what}"
+        rows.append(row_from(f"GPU {what}: resident data", t["resident"], "ms/step", ms, group=g))
+        rows.append(row_from(f"GPU {what}: naive .to(device)", t["naive"], "ms/step", ms, group=g))
         compare(rows, f"GPU {what}: naive .to(device)", f"GPU {what}: resident data")
-        rows.append(
-            Row(f"GPU {what}: AsyncDeviceLoader", ts * ms, "ms/step", higher_is_better=False)
-        )
+        rows.append(row_from(f"GPU {what}: AsyncDeviceLoader", t["staged"], "ms/step", ms,
+                             group=g))  # fmt: skip
         compare(rows, f"GPU {what}: AsyncDeviceLoader", f"GPU {what}: resident data")
+        tr = statistics.median(t["resident"].samples)
+        ts = statistics.median(t["staged"].samples)
         ratio = ts / tr
         rows.append(
             Row(
@@ -351,28 +327,16 @@ def run(args: BenchArgs) -> list[Row]:
     nvl = max(4, n // 4)
     vl = [vl_batch(i) for i in range(min(nvl, 16))]
     _overhead_rows(args, "VL 8k tok + 4k uint8 rows", vl * (nvl // len(vl)), rows)
-    t_norm, _ = median_time(lambda: normalize_pixels(vl[0][0]["pixel_values"]), args.repeats, 1)
-    rows.append(
-        Row(
-            "normalize_pixels CPU 4096x768 -> new tensor",
-            t_norm * 1e3,
-            "ms/batch",
-            higher_is_better=False,
-        )
-    )
     out = torch.empty(VL_PATCHES, 1536)
-    t_out, _ = median_time(
-        lambda: normalize_pixels(vl[0][0]["pixel_values"], out=out), args.repeats, 1
-    )
-    rows.append(
-        Row(
-            "normalize_pixels CPU 4096x768 -> out= buffer",
-            t_out * 1e3,
-            "ms/batch",
-            higher_is_better=False,
-            info={"note": "difference to the row above: page faults of a fresh 24 MiB output"},
-        )
-    )
+    px = vl[0][0]["pixel_values"]
+    t = interleave({"new": call(normalize_pixels, px), "out": call(normalize_pixels, px, out=out)},
+                   args.repeats, 1, args.guard())  # fmt: skip
+    rows.append(row_from("normalize_pixels CPU 4096x768 -> new tensor", t["new"], "ms/batch",
+                         1e3, group="norm"))  # fmt: skip
+    rows.append(row_from("normalize_pixels CPU 4096x768 -> out= buffer", t["out"], "ms/batch",
+                         1e3, group="norm",
+                         note="difference to the row above: page faults of a fresh 24 MiB "
+                              "output"))  # fmt: skip
     _overlap_rows(args, max(10, n // 4), rows)
     _snapshot_rows(args, rows)
     _bytes_rows(rows)

@@ -6,7 +6,8 @@ file, seq_len 2048, batch 8, in one process (``num_workers=0``) so that "per cor
 the headline is tokens per **CPU second** of the process (``time.process_time``, all its threads),
 plus wall-clock tokens/s. torchtitan's loader is pointed at the files by registering a
 ``DatasetConfig`` whose loader is ``load_dataset("parquet", data_files=..., streaming=True)`` — the
-same call ours makes. Also measured: the latency of the first batch after a resume deep into an
+same call ours makes. The three loaders run interleaved (a fresh loader per sample, rotating
+order; ``benchmarks.common.interleave``). Also measured: the latency of the first batch after a resume deep into an
 epoch (ours re-reads, without tokenizing, the rows before the resume point).
 
 Options (``--set key=value``): ``mb`` (40; quick 2), ``batches`` (60; quick 4), ``seq_len`` (2048),
@@ -16,10 +17,9 @@ Options (``--set key=value``): ``mb`` (40; quick 2), ``batches`` (60; quick 4), 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
-from benchmarks.common import BenchArgs, Row, compare
+from benchmarks.common import BenchArgs, Row, compare, interleave, row_from
 from benchmarks.text_corpus import build_corpus, corpus_files, gpt2_tokenizer_dir
 
 
@@ -53,10 +53,11 @@ def _our_loader(corpus, tok_dir, seq_len, batch, **kw):
     return cfg.build(dp_world_size=1, dp_rank=0, seq_len=seq_len, local_batch_size=batch)
 
 
-def _measure(make, n_batches, repeats, warmup_batches=2):
-    """Median (tokens per CPU s, tokens per wall s) over fresh loaders."""
-    cpu_rates, wall_rates = [], []
-    for _ in range(repeats):
+def _rates(make, n_batches, warmup_batches=2):
+    """One sample: a fresh loader, warm-up batches, then tokens per CPU second and per wall
+    second over ``n_batches``."""
+
+    def go() -> dict[str, float]:
         it = iter(make())
         for _ in range(warmup_batches):
             next(it)
@@ -66,9 +67,28 @@ def _measure(make, n_batches, repeats, warmup_batches=2):
             x, _y = next(it)
             tokens += x["input"].numel()
         c1, w1 = time.process_time(), time.perf_counter()
-        cpu_rates.append(tokens / max(c1 - c0, 1e-9))
-        wall_rates.append(tokens / max(w1 - w0, 1e-9))
-    return statistics.median(cpu_rates), statistics.median(wall_rates), cpu_rates
+        return {"cpu": tokens / max(c1 - c0, 1e-9), "wall": tokens / max(w1 - w0, 1e-9)}
+
+    return go
+
+
+def _resume(corpus, tok, seq_len, batch, k):
+    """One sample: save after k batches, time a fresh loader's first batch after loading."""
+
+    def go() -> dict[str, float]:
+        dl = _our_loader(corpus, tok, seq_len, batch)
+        it = iter(dl)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(dl.state_dict()))
+        t0 = time.perf_counter()
+        dl2 = _our_loader(corpus, tok, seq_len, batch)
+        dl2.load_state_dict(state)
+        next(iter(dl2))
+        return {"s": time.perf_counter() - t0,
+                "consumed": state["dp_rank_0"]["dataset_state"]["consumed"]}  # fmt: skip
+
+    return go
 
 
 def run(args: BenchArgs) -> list[Row]:
@@ -89,60 +109,39 @@ def run(args: BenchArgs) -> list[Row]:
         "batches": n,
     }
 
-    rows: list[Row] = []
-    ours_cpu, ours_wall, s1 = _measure(lambda: _our_loader(corpus, tok, seq_len, batch), n, repeats)
-    stock_cpu, stock_wall, s2 = _measure(
-        lambda: _stock_loader(corpus, tok, seq_len, batch), n, repeats
-    )
-    noshuf_cpu, _, s3 = _measure(
-        lambda: _our_loader(corpus, tok, seq_len, batch, shuffle=False), n, repeats
-    )
-    rows.append(
-        Row(
-            "tokens/s per core: ours (streaming_text)",
-            ours_cpu,
-            "tok/cpu-s",
-            samples=s1,
-            info=common,
-            target=">= 1x",
-            higher_is_better=True,
-        )
-    )
-    rows.append(Row("tokens/s per core: torchtitan HF loader", stock_cpu, "tok/cpu-s", samples=s2))
-    rows.append(Row("tokens/s per core: ours, shuffle off", noshuf_cpu, "tok/cpu-s", samples=s3))
-    rows.append(Row("wall tokens/s: ours", ours_wall, "tok/s"))
-    rows.append(Row("wall tokens/s: torchtitan HF loader", stock_wall, "tok/s"))
-    compare(
-        rows, "tokens/s per core: ours (streaming_text)", "tokens/s per core: torchtitan HF loader"
-    )
-    compare(rows, "tokens/s per core: ours, shuffle off", "tokens/s per core: torchtitan HF loader")
+    fns = {
+        "ours": _rates(lambda: _our_loader(corpus, tok, seq_len, batch), n),
+        "stock": _rates(lambda: _stock_loader(corpus, tok, seq_len, batch), n),
+        "noshuf": _rates(lambda: _our_loader(corpus, tok, seq_len, batch, shuffle=False), n),
+    }
+    t = interleave(fns, repeats, 0, args.guard(max_retakes=1))
+    g = "rates"
+    ours = "tokens/s per core: ours (streaming_text)"
+    stock = "tokens/s per core: torchtitan HF loader"
+    rows = [
+        row_from(ours, t["ours"], "tok/cpu-s", key="cpu", group=g, higher_is_better=True,
+                 info=common, target=">= 1x"),
+        row_from(stock, t["stock"], "tok/cpu-s", key="cpu", group=g, higher_is_better=True),
+        row_from("tokens/s per core: ours, shuffle off", t["noshuf"], "tok/cpu-s", key="cpu",
+                 group=g, higher_is_better=True),
+        row_from("wall tokens/s: ours", t["ours"], "tok/s", key="wall", group=g,
+                 higher_is_better=True),
+        row_from("wall tokens/s: torchtitan HF loader", t["stock"], "tok/s", key="wall", group=g,
+                 higher_is_better=True),
+    ]  # fmt: skip
+    compare(rows, ours, stock)
+    compare(rows, "tokens/s per core: ours, shuffle off", stock)
     compare(rows, "wall tokens/s: ours", "wall tokens/s: torchtitan HF loader")
-    r0 = rows[0]
-    r0.met = r0.ratio is not None and r0.ratio >= 1.0
+    rows[0].met = rows[0].ratio is not None and rows[0].ratio >= 1.0
 
     # Resume latency: save after k batches, time a fresh loader's first batch after loading.
     k = max(2, n)
-    lat = []
-    for _ in range(repeats):
-        dl = _our_loader(corpus, tok, seq_len, batch)
-        it = iter(dl)
-        for _ in range(k):
-            next(it)
-        state = json.loads(json.dumps(dl.state_dict()))
-        t0 = time.perf_counter()
-        dl2 = _our_loader(corpus, tok, seq_len, batch)
-        dl2.load_state_dict(state)
-        next(iter(dl2))
-        lat.append(time.perf_counter() - t0)
-        consumed = state["dp_rank_0"]["dataset_state"]["consumed"]
+    r = interleave({"resume": _resume(corpus, tok, seq_len, batch, k)}, repeats, 0, args.guard())
+    res = r["resume"]
     rows.append(
-        Row(
-            "resume: first batch after load (ours)",
-            statistics.median(lat) * 1e3,
-            "ms",
-            higher_is_better=False,
-            samples=lat,
-            info={"after_batches": k, "rows_reread_at_most": consumed},
+        row_from(
+            "resume: first batch after load (ours)", res, "ms", 1e3, key="s",
+            info={"after_batches": k, "rows_reread_at_most": res.results[-1]["consumed"]},
         )
-    )
+    )  # fmt: skip
     return rows

@@ -6,13 +6,14 @@ enlarged to ``mb`` MB of long-tailed documents) with the same GPT-2 tokenizer, B
 
 * ``ours``: :class:`PrefetchingParquetLoader` (background read + ``encode_batch`` + best-fit).
 * ``sync``: the same source, tokenizer call and packer, but reading and tokenizing inside
-  ``next()`` (the seed's starting point: what the thread buys).
+  ``next()`` (the starting point: what the thread buys).
 * ``torchtitan``: torchtitan 0.3.0's stock ``HuggingFaceTextDataLoader`` pointed at the Parquet
   files through its ``DATASETS`` registry (``load_dataset("parquet", ...)``), ``num_workers=0``
   (its default); the data-wait part also runs it with one worker process.
 
 1. Throughput. Each loader is warmed up (``warmup`` batches: thread start, buffer fill) and then
-   drained as fast as possible for ``batches`` batches (median of up to 3 repeats). Wall tokens/s, and tokens per CPU-second
+   drained as fast as possible for ``batches`` batches (median of up to 3 rounds in which the
+   loaders are interleaved, a fresh loader per sample: ``benchmarks.common.interleave``). Wall tokens/s, and tokens per CPU-second
    of the whole process (``time.process_time``: all threads, including the tokenizer's Rust
    threads and our producer) = "per core". Once the consumer outpaces the producer the queue is
    empty, so prefetched work does not inflate the timed window.
@@ -31,9 +32,11 @@ enlarged to ``mb`` MB of long-tailed documents) with the same GPT-2 tokenizer, B
    as long, i.e. 1/6 of the loader's capacity), for each ``thread_priority``: where ``"idle"``
    starves and ``"adaptive"`` must not.
 
+Parts 2 and 3 run ``wait_rounds`` rounds with the loaders alternating within each round.
+
 Options (``--set key=value``): ``mb`` (40; quick 3), ``batches`` (200; quick 15), ``steps`` (300;
 quick 15), ``warmup`` (20; quick 3), ``delay_ms`` (50), ``workers1`` (1: also torchtitan with a
-worker process in the data-wait part; 0 to skip).
+worker process in the data-wait part; 0 to skip), ``wait_rounds`` (3; quick 1).
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import BenchArgs, Row, compare, percentile
+from benchmarks.common import BenchArgs, Row, compare, interleave, percentile, row_from
 from benchmarks.text_corpus import build_corpus, corpus_files, gpt2_tokenizer_dir
 from torchtitan_ext.text.packing import make_packer
 from torchtitan_ext.text.parquet import ParquetSource
@@ -64,7 +66,7 @@ class SyncLoader:
 
     def __init__(self, corpus: Any, tok: TextTokenizer, delay_s: float = 0.0) -> None:
         self.tok = tok
-        # read_ahead=0: the read really happens inside next(), as in the seed's loader.
+        # read_ahead=0: the read really happens inside next(), as in a synchronous loader.
         self.source = ParquetSource(corpus, val_files="none", read_delay_s=delay_s, read_ahead=0)
         self.chunks = self.source.iter_chunks()
         self.packer = make_packer("best_fit", T, tok.bos_id)
@@ -218,6 +220,7 @@ def run(args: BenchArgs) -> list[Row]:
     delay_s = float(ex.get("delay_ms", 50)) / 1e3
     workers1 = int(ex.get("workers1", 0 if q else 1))
     reps = 1 if q else max(1, min(args.repeats, 3))
+    wait_rounds = int(ex.get("wait_rounds", 1 if q else 3))
 
     # Process-wide and identical for every loader: tokenization on the calling thread (our loader
     # sets this itself; set here first so that all loaders run under the same setting).
@@ -249,26 +252,14 @@ def run(args: BenchArgs) -> list[Row]:
     _close(makers["torchtitan"](0)())  # build HF's arrow cache outside the timings
 
     rows: list[Row] = []
-    tput: dict[str, dict[str, float]] = {}
-    for name, mk in makers.items():
-        samples = [throughput(mk(0.0), n_batches, warm) for _ in range(reps)]
-        tput[name] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-        rows.append(
-            Row(
-                f"tokens/s wall {name}",
-                tput[name]["wall_tps"],
-                "tok/s",
-                samples=[s["wall_tps"] for s in samples],
-            )
-        )
-        rows.append(
-            Row(
-                f"tokens/CPU-s {name}",
-                tput[name]["cpu_tps"],
-                "tok/cpu-s",
-                samples=[s["cpu_tps"] for s in samples],
-            )
-        )
+    # -------- throughput: the four loaders interleaved, a fresh loader per sample
+    t = interleave({name: call_throughput(mk(0.0), n_batches, warm) for name, mk in makers.items()},
+                   reps, 0, args.guard(max_retakes=1))  # fmt: skip
+    for name in makers:
+        rows.append(row_from(f"tokens/s wall {name}", t[name], "tok/s", key="wall_tps",
+                             group="tput", higher_is_better=True))  # fmt: skip
+        rows.append(row_from(f"tokens/CPU-s {name}", t[name], "tok/cpu-s", key="cpu_tps",
+                             group="tput", higher_is_better=True))  # fmt: skip
     for name in ("ours", "ours, tokenizers engine", "sync"):
         compare(rows, f"tokens/s wall {name}", "tokens/s wall torchtitan")
         r = compare(rows, f"tokens/CPU-s {name}", "tokens/CPU-s torchtitan")
@@ -276,9 +267,21 @@ def run(args: BenchArgs) -> list[Row]:
             r.target, r.met = ">= 3x", r.ratio >= 3.0
     w = compare(rows, "tokens/s wall ours", "tokens/s wall torchtitan")
     w.target, w.met = ">= 3x", w.ratio >= 3.0
+    rows += _wait_rows(args, corpus, tok, tok_dir, makers, n_batches, steps, warm, delay_s,
+                       workers1, wait_rounds)  # fmt: skip
+    return rows
 
-    # -------- data wait at 50 % of each loader's own capacity (measured in situ), then the same
-    # consumer rate with slow storage
+
+def call_throughput(make: Callable[[], Any], batches: int, warmup: int) -> Callable[[], dict]:
+    return lambda: throughput(make, batches, warmup)
+
+
+def _wait_rows(args, corpus, tok, tok_dir, makers, n_batches, steps, warm, delay_s, workers1,
+               rounds) -> list[Row]:  # fmt: skip
+    """Data-wait at 50 % of each loader's own capacity (measured in situ), then the same
+    consumer rate with slow storage; then a CPU-bound training loop per thread policy. Loaders
+    alternate within each round (A B C, A B C: "ours, normal priority" runs right after "ours",
+    at its rate, so it is an A/B of the thread policy)."""
     wait_makers = {k: v for k, v in makers.items() if k != "ours, tokenizers engine"}
     # What the adaptive SCHED_IDLE policy buys (torchtitan_ext.text.priority), same run.
     wait_makers["ours, normal priority"] = lambda d: (
@@ -298,13 +301,14 @@ def run(args: BenchArgs) -> list[Row]:
         )
     cap_batches = max(5, n_batches // 4)
     steps_of: dict[str, float] = {}
-    for storage, d in (("", 0.0), (" slow storage", delay_s)):
-        for name, mk in wait_makers.items():
-            # "ours, normal priority" runs at ours' rate (an A/B of the policy); every other
-            # loader at 50 % of its own capacity.
-            same_as = "ours" if name == "ours, normal priority" else name
-            step_s = steps_of.get(same_as)
-            res = data_wait(mk(d), steps, warm, cap_batches, step_s)
+    rows: list[Row] = []
+
+    def one(name: str, mk, d: float):
+        def go() -> dict[str, float]:
+            # "ours, normal priority" runs at ours' rate; every other loader at 50 % of its own
+            # capacity, measured right before.
+            same_as = "ours" if name == "ours, normal priority" else None
+            res = data_wait(mk(d), steps, warm, cap_batches, steps_of.get(same_as))
             steps_of[name] = res["step_ms"] / 1e3
             # The same loop around an iterator that costs nothing: its overrun is the sleep's
             # own overshoot, which the loader's "loop time lost" row subtracts.
@@ -312,36 +316,40 @@ def run(args: BenchArgs) -> list[Row]:
                 lambda: itertools.repeat(None), steps, warm, cap_batches, res["step_ms"] / 1e3
             )
             res["lost_pct"] = 100.0 * (res["overrun_s"] - empty["overrun_s"]) / res["total_s"]
-            tag = f"{name}{storage}"
-            r1 = Row(f"wait share {tag}", res["wait_pct"], "%", higher_is_better=False, info=res)
-            r2 = Row(f"next() p50 {tag}", res["p50_ms"], "ms", higher_is_better=False, info=res)
-            r3 = Row(f"next() p99 {tag}", res["p99_ms"], "ms", higher_is_better=False, info=res)
-            r4 = Row(
-                f"loop time lost {tag}", res["lost_pct"], "%", higher_is_better=False, info=res
-            )
-            if name == "ours":
-                r1.target, r1.met = "<= 0.5%", res["wait_pct"] <= 0.5
-                r3.target, r3.met = "<= 1 ms", res["p99_ms"] <= 1.0
-            rows += [r1, r2, r3, r4]
+            return res
+
+        return go
+
+    for storage, d in (("", 0.0), (" slow storage", delay_s)):
+        fns = {name: one(name, mk, d) for name, mk in wait_makers.items()}
+        t = interleave(fns, rounds, 0, args.guard(max_retakes=1), rotate=False)
         for name in wait_makers:
-            if name != "ours":
-                compare(rows, f"wait share ours{storage}", f"wait share {name}{storage}")
+            tag, g = f"{name}{storage}", f"wait{storage}"
+            s = t[name]
+            r1 = row_from(f"wait share {tag}", s, "%", key="wait_pct", group=g)
+            r2 = row_from(f"next() p50 {tag}", s, "ms", key="p50_ms", group=g)
+            r3 = row_from(f"next() p99 {tag}", s, "ms", key="p99_ms", group=g)
+            r4 = row_from(f"loop time lost {tag}", s, "%", key="lost_pct", group=g)
+            r1.info = r2.info = r3.info = r4.info = s.results[-1]
+            if name == "ours":
+                r1.target, r1.met = "<= 0.5%", r1.value <= 0.5
+                r3.target, r3.met = "<= 1 ms", r3.value <= 1.0
+            rows += [r1, r2, r3, r4]
+        compare(rows, f"wait share ours{storage}", f"wait share torchtitan{storage}")
 
     # -------- a CPU-bound training loop (matmuls on every core between next() calls, at 1/6 of
-    # ours' capacity, so that a fair share of the CPUs is plenty for the loader): SCHED_IDLE threads only get CPU time nobody else wants, so "idle" starves here,
-    # and "adaptive" must fall back to normal when the queue runs low.
-    for policy in ("adaptive", "idle", "normal"):
-        mk = lambda p=policy: PrefetchingParquetLoader(  # noqa: E731
-            corpus, tok, seq_len=T, batch_size=B, val_files="none", thread_priority=p
+    # ours' capacity, so that a fair share of the CPUs is plenty for the loader): SCHED_IDLE
+    # threads only get CPU time nobody else wants, so "idle" starves here, and "adaptive" must
+    # fall back to normal when the queue runs low.
+    def busy(policy: str):
+        mk = lambda: PrefetchingParquetLoader(  # noqa: E731
+            corpus, tok, seq_len=T, batch_size=B, val_files="none", thread_priority=policy
         )
-        res = data_wait(mk, steps, warm, cap_batches, 3 * steps_of["ours"], step=_busy)
-        rows.append(
-            Row(
-                f"wait share CPU-bound loop, {policy}",
-                res["wait_pct"],
-                "%",
-                higher_is_better=False,
-                info=res,
-            )
-        )
+        return lambda: data_wait(mk, steps, warm, cap_batches, 3 * steps_of["ours"], step=_busy)
+
+    policies = ("adaptive", "idle", "normal")
+    t = interleave({p: busy(p) for p in policies}, rounds, 0, args.guard(max_retakes=1))
+    for p in policies:
+        rows.append(row_from(f"wait share CPU-bound loop, {p}", t[p], "%", key="wait_pct",
+                             group="busy", info=t[p].results[-1]))  # fmt: skip
     return rows
