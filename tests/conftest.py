@@ -43,6 +43,17 @@ for _var, _sub in _CACHE_ENV.items():
     os.environ[_var] = str(CACHE_ROOT / _sub)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Name the random order's seed at the end too (pytest -q hides the header that shows it)."""
+    if config.pluginmanager.hasplugin("randomly") and config.getoption("randomly_reorganize"):
+        seed = config.getoption("randomly_seed", None)
+        if isinstance(seed, int):
+            terminalreporter.write_line(
+                f"random test order: --randomly-seed={seed} repeats it "
+                f"(make test PYTEST_ARGS=--randomly-seed={seed}); -p no:randomly for file order"
+            )
+
+
 def pytest_unconfigure(config):
     if _OWNER:
         shutil.rmtree(CACHE_ROOT, ignore_errors=True)

@@ -74,12 +74,14 @@ def verify_manifest(d: Path, meta: dict[str, Any] | None = None) -> str | None:
     built with ``meta``; else the first reason it does not, in words."""
     if not d.is_dir():
         return "missing"
+    if not (d / MANIFEST).is_file():
+        return f"no {MANIFEST} (a partial directory, or one written by an older version)"
     try:
         manifest = json.loads((d / MANIFEST).read_text())
         files = manifest["files"]
         fmt, built_meta = manifest["format"], manifest["meta"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"no readable {MANIFEST} ({type(e).__name__}: {e})"
+        return f"unreadable {MANIFEST} ({type(e).__name__}: {e})"
     if fmt != _MANIFEST_FORMAT:
         return f"{MANIFEST} format {fmt!r} != {_MANIFEST_FORMAT}"
     want_meta = json.loads(json.dumps(meta or {}))  # compare as stored (tuples -> lists)
