@@ -89,6 +89,30 @@ def test_damaged_directory_is_rebuilt(tmp_path, damage, caplog):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".x.lock", "x"]
 
 
+def test_empty_or_older_format_directory_is_rebuilt(tmp_path):
+    fill = CountingFill()
+    (tmp_path / "empty").mkdir()
+    build_atomically(tmp_path / "empty", fill)
+    old = tmp_path / "old"  # written before manifests existed: a DONE marker, same files
+    old.mkdir()
+    (old / "data.bin").write_bytes(b"older bytes")
+    (old / "DONE").write_text("ok\n")
+    build_atomically(old, fill)
+    assert fill.calls == 2 and verify_manifest(old) is None and not (old / "DONE").exists()
+
+
+def test_somebody_elses_directory_is_never_deleted(tmp_path):
+    mine = tmp_path / "x"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / "data.bin").write_bytes(b"also mine")
+    with pytest.raises(FileExistsError, match=r"x: exists and holds data .*thesis\.tex"):
+        build_atomically(mine, CountingFill())
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert (mine / "data.bin").read_bytes() == b"also mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".x.lock", "x"]  # no temporary left
+
+
 def test_other_build_parameters_rebuild(tmp_path):
     fill = CountingFill()
     build_atomically(tmp_path / "x", fill, {"n": 1})

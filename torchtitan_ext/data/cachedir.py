@@ -8,7 +8,9 @@ rename atomically), edited by hand, or left by another checkout whose builder wr
 bytes under the same name. So every build ends with a manifest, ``.manifest.json``: the size and
 SHA-256 of each file and the build parameters (``meta``). :func:`build_atomically` reuses a
 directory only when the manifest matches the files on disk and the parameters asked for;
-otherwise it logs the reason and rebuilds. Checking costs a hash of the directory (~6 ms for the
+otherwise it logs the reason and rebuilds. A directory without a manifest that holds files the
+build does not write is somebody's data (an ``--out-dir`` pointed at the wrong place): it is never
+deleted, the build fails naming those files. Checking costs a hash of the directory (~6 ms for the
 2.8 MB embedded corpus); the directories are small by design.
 
 Concurrent builders (torchrun ranks starting together) take a lock file beside the directory
@@ -123,7 +125,10 @@ def build_atomically(
     what a build with ``meta`` wrote (checked against its manifest: see the module docstring).
 
     ``fill`` writes into an empty temporary sibling; the manifest is added and the directory
-    renamed into place. A directory that fails the check is logged, moved aside and removed."""
+    renamed into place. A directory that fails the check is logged and replaced when it is one
+    of ours (it has a manifest), empty, or holds only files the build writes (a partial build,
+    or one by an older version); a directory holding anything else is somebody's data: it is
+    left alone and ``FileExistsError`` names what it holds."""
     final = Path(final)
     if verify_manifest(final, meta) is None:
         return final
@@ -132,17 +137,37 @@ def build_atomically(
         problem = verify_manifest(final, meta)
         if problem is None:  # another process built it while we waited for the lock
             return final
-        if final.exists() or final.is_symlink():
-            logger.warning("%s: %s; rebuilding it", final, problem)
-            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-", dir=final.parent))
-            os.replace(final, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             fill(tmp)
             write_manifest(tmp, meta)
+            if final.exists() or final.is_symlink():
+                _check_replaceable(final, tmp)
+                logger.warning("%s: %s; rebuilding it", final, problem)
+                stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-", dir=final.parent))
+                os.replace(final, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+_LEGACY_MARKERS = {"DONE"}  # the completion marker of builds before manifests
+
+
+def _check_replaceable(final: Path, built: Path) -> None:
+    if final.is_dir() and not final.is_symlink():
+        if (final / MANIFEST).exists():
+            return  # ours, damaged or built with other parameters
+        foreign = sorted(set(_files(final)) - set(_files(built)) - _LEGACY_MARKERS)
+        if not foreign:
+            return  # empty, or a partial / older build of the same files
+    else:
+        foreign = [final.name]
+    raise FileExistsError(
+        f"{final}: exists and holds data this build does not write ({', '.join(foreign[:3])}"
+        f"{', ...' if len(foreign) > 3 else ''}); not replacing it: remove it or choose another "
+        "directory"
+    )
