@@ -49,7 +49,8 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "torchtitan_ext"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -65,7 +66,7 @@ def _files(d: Path) -> list[str]:
 
 def write_manifest(d: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Record the size and SHA-256 of every file under ``d`` (and ``meta``) in ``d/.manifest.json``."""
-    files = {f: {"size": (d / f).stat().st_size, "sha256": _sha256(d / f)} for f in _files(d)}
+    files = {f: {"size": (d / f).stat().st_size, "sha256": sha256_file(d / f)} for f in _files(d)}
     manifest = {"format": _MANIFEST_FORMAT, "meta": meta or {}, "files": files}
     (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
@@ -98,7 +99,7 @@ def verify_manifest(d: Path, meta: dict[str, Any] | None = None) -> str | None:
         p = d / name
         if p.stat().st_size != rec["size"]:
             return f"{name}: {p.stat().st_size} bytes, manifest says {rec['size']}"
-        if _sha256(p) != rec["sha256"]:
+        if sha256_file(p) != rec["sha256"]:
             return f"{name}: content differs from the manifest (sha256)"
     return None
 
