@@ -27,14 +27,49 @@ where it comes from, and what is done about it — in one place.
 Every filter matches one message by its text; nothing else is hidden. :func:`install` is
 idempotent and is called by :mod:`torchtitan_ext.config` at import (before torchtitan builds its
 first Config, which is when the first of these is logged).
+
+:data:`NOISE` holds one pattern per message above (plus tracebacks); ``python -m
+torchtitan_ext.logs LOG...`` reports every line of a log that matches one and exits 1 — the check
+run on a fresh clone's ``make demo`` log.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
+import sys
 import warnings
 from typing import Any
+
+# name -> a pattern that matches the message in a log (what tests/test_quiet_log.py checks)
+NOISE: dict[str, re.Pattern[str]] = {
+    name: re.compile(p)
+    for name, p in {
+        "initial_load_model_only": r"initial_load_model_only=True has no effect",
+        "lspci": r"Error running lspci",
+        "peak flops fallback": r"Peak flops undefined for|fallback to A100",
+        "mfu on a CPU": r"mfu: (?!N/A)",
+        "DTensor CPU mesh": r"DTensor random operators may not have complete support",
+        "safetensors index": r"model\.safetensors\.index\.json not found",
+        "get_last_lr": r"please use `get_last_lr\(\)`",
+        "NCCL variables": r"ENV\[TORCH_(NCCL|FR)_\w+\] = .* will be overridden",
+        "setuptools licence": r"`project\.license` as a TOML table is deprecated",
+        "ANSI colour": r"\x1b\[[0-9;]*m",
+        "traceback": r"Traceback \(most recent call last\)",
+    }.items()
+}
+
+
+def noisy_lines(text: str) -> list[tuple[str, str]]:
+    """(noise name, line) for every line of a log that matches one of :data:`NOISE`."""
+    return [
+        (name, line)
+        for line in text.splitlines()
+        for name, pat in NOISE.items()
+        if pat.search(line)
+    ]
+
 
 _installed = False
 _keep_hf_index_note = False
@@ -103,3 +138,20 @@ def configure(config: Any) -> None:
     _keep_hf_index_note = bool(
         getattr(ck, "initial_load_in_hf", False) or getattr(ck, "last_save_in_hf", False)
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torchtitan_ext.logs LOG...``: exit 1 listing each noisy line, else 0."""
+    paths = sys.argv[1:] if argv is None else argv
+    found = 0
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for name, line in noisy_lines(f.read()):
+                print(f"{path}: {name}: {line.strip()[:160]!r}")
+                found += 1
+    print(f"{found} noisy line(s) in {len(paths)} log(s)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
