@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.buggy_take_demo and a.workers is None:
         a.workers = 2
 
+    from torchtitan_ext import logs
+
+    logs.install()  # the same quiet log as training (torchdata's set_vital notice ...)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_ids = None
     ranks = a.ranks

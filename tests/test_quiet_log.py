@@ -43,6 +43,8 @@ OLD_LINES = {
     "BuildBackendWarning: `project.license` as a TOML table is deprecated",
     "ANSI colour": "[titan] 2026-11-22 14:39:47,712 - root - INFO - \x1b[34mModel llama3 "
     "debugmodel \x1b[31msize: 6,163,712 total parameters\x1b[39m",
+    "set_vital": "/x/torchdata/stateful_dataloader/stateful_dataloader.py:379: UserWarning: "
+    "'set_vital' is deprecated, please do not call",
     "traceback": "[rank0]: Traceback (most recent call last):",
 }
 

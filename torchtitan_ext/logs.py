@@ -20,6 +20,9 @@ where it comes from, and what is done about it — in one place.
 * ``UserWarning: To get the last learning rate computed by the scheduler, please use
   get_last_lr()`` on resume: silenced inside torchtitan's ``LRSchedulersContainer.
   load_state_dict`` only, which calls ``get_lr()`` on purpose to recompute the restored rate.
+* ``UserWarning: 'set_vital' is deprecated`` (torchdata's ``StatefulDataLoader`` calls
+  ``torch.set_vital``, deprecated in torch 2.13; once per loader, e.g. ``streaming_text``):
+  ignored; it is about torchdata's code, not the job.
 * ANSI colour codes in redirected logs: ``metrics.disable_color_printing`` defaults to true
   when stdout is not a terminal (``config.machine_defaults``).
 * Log lines mixed into ``--print-config``'s JSON: the launcher logs to stderr for that option.
@@ -56,6 +59,7 @@ NOISE: dict[str, re.Pattern[str]] = {
         "NCCL variables": r"ENV\[TORCH_(NCCL|FR)_\w+\] = .* will be overridden",
         "setuptools licence": r"`project\.license` as a TOML table is deprecated",
         "ANSI colour": r"\x1b\[[0-9;]*m",
+        "set_vital": r"'set_vital' is deprecated",
         "traceback": r"Traceback \(most recent call last\)",
     }.items()
 }
@@ -127,6 +131,7 @@ def install() -> None:
         warnings.filterwarnings(
             "ignore", message="DTensor random operators may not have complete support on cpu"
         )
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     _quiet_lr_scheduler_load()
     _installed = True
 
