@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml $(wildcard setup.py)
 	@echo "==> set-up 2/4: torch 2.13.0 (the CPU build without a GPU; the largest download)"
 	@$(PY) -m pip install -q "torch==2.13.0"
 	@echo "==> set-up 3/4: torchtitan_ext + pinned dependencies (editable; compiles the BPE merge loop)"
-	@$(PY) -m pip install -q -e ".[test]"
+	@# setuptools boxes an informational note about editable installs; only that note is hidden
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[test]"
 	@echo "==> set-up 4/4: embedded corpus + its tokenizer (built once, a few seconds)"
 	@$(PY) -c "from torchtitan_ext.data.embedded import ensure_embedded_data as e; print('    ', e())"
 	@touch $(STAMP)

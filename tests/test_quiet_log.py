@@ -39,7 +39,7 @@ OLD_LINES = {
     "rate computed by the scheduler, please use `get_last_lr()`.",
     "NCCL variables": "[titan] 2026-11-22 15:01:02,000 - root - WARNING - "
     "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config",
-    "setuptools licence": "  /tmp/pip-build-env/setuptools/config/_apply_pyprojecttoml.py:82: "
+    "setuptools install boxes": "  /tmp/pip-build-env/setuptools/config/_apply_pyprojecttoml.py:82: "
     "BuildBackendWarning: `project.license` as a TOML table is deprecated",
     "ANSI colour": "[titan] 2026-11-22 14:39:47,712 - root - INFO - \x1b[34mModel llama3 "
     "debugmodel \x1b[31msize: 6,163,712 total parameters\x1b[39m",
@@ -122,6 +122,12 @@ def test_demo_then_readme_torchrun_with_default_paths_is_quiet_and_does_not_cras
     assert rc == 0, logs["demo"][-3000:]
     rc, logs["resume"] = _run([*demo, "--training.steps", "3"], work)
     assert rc == 0 and "Training starts at step 3" in logs["resume"], logs["resume"][-3000:]
+    # the same job again: nothing left to train, said in one line, nothing built
+    rc, again = _run([*demo, "--training.steps", "3"], work)
+    assert rc == 0 and "nothing to do:" in again and "Building llama3" not in again, again[-3000:]
+    # another seq_len on the demo's checkpoint (read from the record the trainer wrote)
+    rc, other = _run([*demo, "--training.steps", "5", "--training.seq_len", "128"], work)
+    assert rc == 2 and "seq_len 256 (this job: 128)" in other, other[-3000:]
     for i, cmd in enumerate(readme_torchrun_commands()):
         rc, logs[f"torchrun{i}"] = _run([*_as_torchrun(cmd), "--training.steps", "2"], work)
         assert rc == 0, logs[f"torchrun{i}"][-3000:]

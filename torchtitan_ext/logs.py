@@ -57,7 +57,8 @@ NOISE: dict[str, re.Pattern[str]] = {
         "safetensors index": r"model\.safetensors\.index\.json not found",
         "get_last_lr": r"please use `get_last_lr\(\)`",
         "NCCL variables": r"ENV\[TORCH_(NCCL|FR)_\w+\] = .* will be overridden",
-        "setuptools licence": r"`project\.license` as a TOML table is deprecated",
+        "setuptools install boxes": r"`project\.license` as a TOML table is deprecated"
+        r"|BuildBackendWarning",
         "ANSI colour": r"\x1b\[[0-9;]*m",
         "set_vital": r"'set_vital' is deprecated",
         "traceback": r"Traceback \(most recent call last\)",

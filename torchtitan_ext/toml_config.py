@@ -39,6 +39,12 @@ class ConfigError(ValueError):
     """A train config is wrong: the message names the file, the key and what was expected."""
 
 
+def did_you_mean(key: str, choices: Any) -> str:
+    """``"; did you mean 'steps'?"`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 # old [section] -> (the table its keys belong to, {old key: key there})
 LEGACY_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "prefetch": (
@@ -79,10 +85,9 @@ def translate_legacy_sections(table: dict[str, Any], file: str) -> dict[str, str
                 raise ConfigError(f"{file}: [{target}]: expected a table")
         for key, v in sec.items():
             if key not in keys:
-                close = difflib.get_close_matches(key, list(keys), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
-                    f"{file}: unknown key '[{old}] {key}'{hint} ([{old}] is an older spelling of "
+                    f"{file}: unknown key '[{old}] {key}'{did_you_mean(key, keys)} ([{old}] is an "
+                    "older spelling of "
                     f"[{target}] keys: {', '.join(f'{k} -> {v}' for k, v in keys.items())})"
                 )
             new = keys[key]
@@ -211,10 +216,9 @@ class Coercer:
                         f"{self.file}: {origin} (= [{where}] {key}) is set but {cls.__qualname__} "
                         f"has no setting {key!r}; remove it or choose a loader that has it"
                     )
-                close = difflib.get_close_matches(key, list(flds), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
-                    f"{self.file}: unknown key {loc!r} for {cls.__qualname__}{hint} "
+                    f"{self.file}: unknown key {loc!r} for {cls.__qualname__}"
+                    f"{did_you_mean(key, flds)} "
                     f"Valid keys: {', '.join(sorted(flds))}"
                 )
             tp = hints.get(key, flds[key].type)
@@ -233,10 +237,9 @@ class Coercer:
         kwargs = {}
         for key, v in table.items():
             if key not in flds:
-                close = difflib.get_close_matches(key, list(flds), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
-                    f"{self.file}: unknown key {where}.{key} for {cls.__qualname__}{hint} "
+                    f"{self.file}: unknown key {where}.{key} for {cls.__qualname__}"
+                    f"{did_you_mean(key, flds)} "
                     f"Valid keys: {', '.join(sorted(flds))}"
                 )
             kwargs[key] = self.value(v, hints.get(key, flds[key].type), f"{where}.{key}")
