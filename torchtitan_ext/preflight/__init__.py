@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from torchtitan_ext.config import ConfigError
+from torchtitan_ext.toml_config import ConfigError
 
 Check = Callable[["Job"], None]
 

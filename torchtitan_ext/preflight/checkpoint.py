@@ -26,8 +26,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_ext.config import ConfigError
 from torchtitan_ext.preflight import Job, JobComplete, loader_name
+from torchtitan_ext.toml_config import ConfigError
 
 RECORD = "torchtitan_ext_job.json"
 _STEP = re.compile(r"step-(\d+)$")

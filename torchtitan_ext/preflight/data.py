@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torchtitan_ext.config import ConfigError
 from torchtitan_ext.preflight import Job, loader_name
+from torchtitan_ext.toml_config import ConfigError
 
 
 def _string_columns(schema: Any) -> list[str]:
@@ -80,10 +80,13 @@ def _parquet_split(job: Job, section: str, loader_cfg: Any) -> list[Path]:
     return used
 
 
-def _streaming_files(loader_cfg: Any) -> list[Path]:
+def _streaming_files(job: Job, section: str, loader_cfg: Any) -> list[Path]:
     from torchtitan_ext.text.streaming import resolve_local_files
 
-    found = resolve_local_files(loader_cfg.dataset_path, loader_cfg.split)
+    try:
+        found = resolve_local_files(loader_cfg.dataset_path, loader_cfg.split)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{job.file}: [{section}] dataset_path: {e}") from None
     if found is None or found[0] != "parquet":
         return []  # a hub dataset, or JSONL / text files: no schema to look at
     return [Path(f) for f in found[1]]
@@ -98,7 +101,7 @@ def check_text_data(job: Job) -> None:
         if name == "parquet_prefetch":
             files = _parquet_split(job, section, loader_cfg)
         elif name == "streaming_text":
-            files = _streaming_files(loader_cfg)
+            files = _streaming_files(job, section, loader_cfg)
         else:
             continue
         check_text_column(files, loader_cfg, section, job.file)

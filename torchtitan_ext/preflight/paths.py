@@ -6,8 +6,8 @@ import glob
 from pathlib import Path
 from typing import Any
 
-from torchtitan_ext.config import ConfigError
 from torchtitan_ext.preflight import Job, loader_name
+from torchtitan_ext.toml_config import ConfigError
 
 # Loader Config fields that name local files or directories.
 LOADER_PATH_KEYS = ("dataset_path", "tokenizer_path", "cache_path", "model_path")

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan_ext.config import ConfigError
 from torchtitan_ext.preflight import Job, loader_name
+from torchtitan_ext.toml_config import ConfigError
 
 # Registry name -> (needs BOS, needs EOS) for a loader Config.
 TOKEN_NEEDS: dict[str, Callable[[Any], tuple[bool, bool]]] = {
@@ -84,8 +84,9 @@ def check_tokenizer(job: Job) -> None:
         bos_token = getattr(loader_cfg, "bos_token", None)
         try:
             tok = TextTokenizer.coerce(obj, engine="hf", bos_token=bos_token)
-        except ValueError as e:
-            raise ConfigError(f"{job.file}: [{section}] bos_token = {bos_token!r}: {e}") from None
+        except (OSError, ValueError) as e:
+            key = where if bos_token is None else f"[{section}] bos_token = {bos_token!r}"
+            raise ConfigError(f"{job.file}: {key}: {e}") from None
         need_bos, need_eos = needs(loader_cfg)
         if need_bos and tok.bos_id is None:
             fix = (
