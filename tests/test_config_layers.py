@@ -306,10 +306,16 @@ def test_help_shows_the_value_the_config_would_use():
     assert "initial_load_model_only" not in text.split("usage:", 1)[0]  # a quiet --help
 
 
-def test_toml_comments_and_help_texts_name_no_seed_or_issue_numbers():
+def test_user_facing_texts_name_no_seed_or_issue_numbers():
     import re
 
     bad = re.compile(r"\bseed \d{3}\b|seed's|\bissue[- ]?\d", re.IGNORECASE)
-    for f in sorted((REPO / "train_configs").glob("*.toml")):
+    texts = [
+        *sorted((REPO / "train_configs").glob("*.toml")),
+        *sorted((REPO / "docs").glob("*.md")),
+        REPO / "README.md",
+        REPO / "benchmarks" / "RESULTS.md",
+    ]
+    for f in texts:
         for i, line in enumerate(f.read_text().splitlines(), 1):
             assert not bad.search(line), f"{f.name}:{i}: {line}"
