@@ -90,3 +90,14 @@ def test_asking_for_bf16_wins_and_the_log_says_it_is_slower_here():
     )
     assert cfg["training"]["mixed_precision_param"] == "bfloat16"
     assert "training in bfloat16 as configured" in log and "slower" in log
+
+
+def test_cpu_dtype_benchmark_reads_step_times_from_the_log():
+    from benchmarks.cpu_dtype import step_seconds
+
+    log = (
+        "[titan] 2026-11-22 15:12:45,000 - root - INFO - step:  1  loss: 8.1\n"
+        "[titan] 2026-11-22 15:12:45,500 - root - INFO - step:  2  loss: 8.0\n"
+        "[titan] 2026-11-22 15:12:46,250 - root - INFO - step:  3  loss: 7.9\n"
+    )
+    assert step_seconds(log) == pytest.approx([0.5, 0.75])

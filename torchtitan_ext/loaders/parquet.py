@@ -129,8 +129,6 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             raise ValueError("PrefetchingParquetDataLoader needs seq_len")
         path: Any = config.dataset_path
         tok: Any = config.tokenizer_path or tokenizer
-        if config.bos_token is not None and tok is not None:
-            tok = TextTokenizer.coerce(tok, bos_token=config.bos_token)
         if path is None or tok is None:
             from torchtitan_ext.data.embedded import ensure_embedded_data
 
@@ -139,6 +137,8 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
                 path = root
             if tok is None:
                 tok = root / "tokenizer"
+        if config.bos_token is not None:
+            tok = TextTokenizer.coerce(tok, bos_token=config.bos_token)
         self.config = config
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
