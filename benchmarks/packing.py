@@ -47,8 +47,10 @@ B = 8
 
 
 def doc_lengths(corpus: Path) -> np.ndarray:
-    """GPT-2 token counts (with BOS) of every corpus document, cached next to the shards."""
-    cache = Path(corpus) / "gpt2_doc_lengths.npy"
+    """GPT-2 token counts (with BOS) of every corpus document, cached beside the corpus
+    directory (not in it: the corpus directory holds only what its manifest lists, and an extra
+    file there makes the next ``build_corpus`` rebuild it)."""
+    cache = Path(f"{corpus}.gpt2_doc_lengths.npy")
     if cache.exists():
         return np.load(cache, allow_pickle=False)
     import pyarrow.parquet as pq

@@ -236,7 +236,8 @@ def _cold_rows(args: BenchArgs, path: Path, info: dict, coll: Callable) -> list[
     cold_info = {**info, "resident_after_evict": max(resident), "passes": passes,
                  "disk_mb_per_s": round(mb / statistics.median(samples), 1)}  # fmt: skip
     how = ("pages evicted (posix_fadvise DONTNEED, "
-           f"{100 * max(resident):.0f} % still resident); shuffled order")  # fmt: skip
+           f"{100 * max(resident):.0f} % still resident); shuffled order; "
+           f"{cold_info['disk_mb_per_s']:.0f} MB/s of pixel data at the median")  # fmt: skip
     return [Row("cold read: step hf u8, fetch+collate", statistics.median(samples) * 1e3,
                 "ms/step", higher_is_better=False, samples=[x * 1e3 for x in samples],
                 info=cold_info, note=how + "; a virtual disk may be cached by the host")]  # fmt: skip

@@ -232,6 +232,13 @@ def test_packing_benchmark_quick_smoke(tmp_path, monkeypatch):
     from benchmarks.packing import run
 
     rows = {r.case: r for r in run(BenchArgs(quick=True, extra={"mb": "0.5", "batches": "40"}))}
+    # the cached document lengths live beside the corpus: its directory still matches its
+    # manifest, so the next benchmark reuses it instead of rebuilding it
+    from benchmarks.text_corpus import CORPUS_VERSION
+    from torchtitan_ext.data.cachedir import verify_manifest
+
+    (corpus,) = [p for p in tmp_path.glob("bench_text_*") if p.is_dir()]
+    assert verify_manifest(corpus, {"version": CORPUS_VERSION}) is None
     assert rows["fill % ours best-fit"].value == pytest.approx(100.0)
     assert rows["crop % ours zero-discard"].value == 0.0
     assert 0.0 < rows["crop % ours best-fit"].value < 100.0
