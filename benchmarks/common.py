@@ -316,19 +316,28 @@ def fmt(x: float) -> str:
     if x == 0 or math.isinf(x):
         return str(x)
     a = abs(x)
-    if a >= 1e6:
+    if a >= 1e5:
         return f"{x / 1e6:.3g} M"
     if a >= 100:
         return f"{x:.0f}"
     return f"{x:.3g}"
 
 
-def fmt_ratio(r: Row) -> str:
-    if r.ratio is None:
+def fmt_range(xs: list[float]) -> str:
+    """min-max of several samples ("a to b" when a dash would read as a minus sign); else ""."""
+    if len(xs) < 2:
         return ""
-    s = f"{r.ratio:.2f}x"
-    if r.ratio_range is not None:
-        s += f" ({r.ratio_range[0]:.2f}-{r.ratio_range[1]:.2f})"
+    lo, hi = min(xs), max(xs)
+    return f"{fmt(lo)} to {fmt(hi)}" if lo < 0 or hi < 0 else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def fmt_ratio(ratio: float | None, ratio_range: Any = None) -> str:
+    """``2.31x (2.05-2.60)``: the ratio of medians and the range of the per-round ratios."""
+    if ratio is None or math.isnan(ratio):
+        return ""
+    s = f"{ratio:.2f}x"
+    if ratio_range:
+        s += f" ({ratio_range[0]:.2f}-{ratio_range[1]:.2f})"
     return s
 
 
@@ -342,9 +351,9 @@ def print_table(title: str, rows: list[Row]) -> None:
     print("-" * len(header))
     for r in rows:
         met = "" if r.met is None else ("yes" if r.met else "NO")
-        rng = f"{fmt(r.lo)}-{fmt(r.hi)}" if len(r.samples) > 1 else ""
+        rng = fmt_range(r.samples)
         print(
-            f"{r.case:<58} {fmt(r.value):>10} {rng:>19} {r.unit:<10} {fmt_ratio(r):>22}  "
+            f"{r.case:<58} {fmt(r.value):>10} {rng:>19} {r.unit:<10} {fmt_ratio(r.ratio, r.ratio_range):>22}  "
             f"{r.baseline or '':<40} {r.target or '':<12} {met}"
         )
         extra = []

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt
+from benchmarks.common import fmt, fmt_range, fmt_ratio
 
 HERE = Path(__file__).resolve().parent
 HISTORY = HERE / "results_history.md"
@@ -63,22 +62,6 @@ def _cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def _range(r: dict[str, Any]) -> str:
-    xs = r.get("samples") or []
-    return f"{fmt(min(xs))}-{fmt(max(xs))}" if len(xs) > 1 else ""
-
-
-def _ratio(r: dict[str, Any]) -> str:
-    x = r.get("ratio")
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return ""
-    s = f"{x:.2f}x"
-    rr = r.get("ratio_range")
-    if rr:
-        s += f" ({rr[0]:.2f}-{rr[1]:.2f})"
-    return s
-
-
 def _met(r: dict[str, Any]) -> str:
     return {True: "yes", False: "**no**", None: ""}[r.get("met")]
 
@@ -123,7 +106,7 @@ def render_case(name: str, doc: dict[str, Any]) -> str:
             n = len(r.get("samples") or [])
             noise = f"{n} ({r.get('retaken', 0)}/{r.get('noisy', 0)})" if n else ""
             cells = [
-                r["case"], fmt(r["value"]), _range(r), r["unit"], _ratio(r),
+                r["case"], fmt(r["value"]), fmt_range(r.get("samples") or []), r["unit"], fmt_ratio(r.get("ratio"), r.get("ratio_range")),
                 r.get("baseline") or "", r.get("target") or "", _met(r), noise,
                 r.get("note") or "",
             ]  # fmt: skip
