@@ -60,12 +60,13 @@ def _rows(ds: Path) -> list[dict]:
 
 def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
     from torchtitan_ext.vl import processor as P
+    from torchtitan_ext.vl import sample as VS
 
     # identical pixels (and ids) first
     for r in rows:
         img = P.load_image(P.decode_image(r["image"]))
-        ours = P.process_sample(proc, img, r["question"], r["answer"])
-        ref = P.hf_process(proc, [img], r["question"], r["answer"])
+        ours = VS.process_sample(proc, img, r["question"], r["answer"])
+        ref = VS.hf_process(proc, [img], r["question"], r["answer"])
         assert torch.equal(P.normalize_patches(ours.pixel_u8), ref["pixel_values"]), "pixels differ"
         assert torch.equal(ours.input_ids, ref["input_ids"][0]), "ids differ"
 
@@ -73,13 +74,13 @@ def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
         # exactly what a cache-build worker does per row (position_ids are computed at read time)
         for r in rows:
             img = P.decode_image(r["image"])
-            P.process_sample(proc, img, r["question"], r["answer"], positions=False)
+            VS.process_sample(proc, img, r["question"], r["answer"], positions=False)
 
     def hf():
         for r in rows:
             img = Image.open(io.BytesIO(r["image"]["bytes"]))
             img.load()
-            P.hf_process(proc, [img], r["question"], r["answer"])
+            VS.hf_process(proc, [img], r["question"], r["answer"])
 
     t_o, s_o = median_time(ours, args.repeats, args.warmup)
     t_h, s_h = median_time(hf, args.repeats, args.warmup)

@@ -72,7 +72,8 @@ def alone_samples(env, pack_index: int):
     """Re-process the pack's source rows from scratch (the unpacked path)."""
     import datasets
 
-    from torchtitan_ext.vl.processor import decode_image, process_sample
+    from torchtitan_ext.vl.processor import decode_image
+    from torchtitan_ext.vl.sample import process_sample
 
     rows = env["cache"].pack_rows(pack_index)
     ds = datasets.load_dataset(

@@ -59,8 +59,9 @@ class CachedVLDataLoader(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         dataset: str = ""
-        """Source dataset: a local Parquet directory / file, a Hugging Face dataset name, or
-        ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src). Part of the cache key.
+        """Source dataset: a local Parquet directory / file, a Hugging Face dataset name,
+        ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src) or
+        ``"sample_chat"`` (the small chat set made from the same images). Part of the cache key.
         Required unless ``dataset_path`` or ``cache_path`` is set."""
 
         dataset_path: str | None = None
@@ -152,6 +153,32 @@ class CachedVLDataLoader(BaseDataLoader):
         """How the source files enter the cache key: "full" (every byte, hashed once per file
         and remembered by size + mtime) or "quick" (size + first/last MiB); must match the
         ``preprocess-cached --fingerprint`` the cache was built with."""
+
+        format: str = BuildConfig.format
+        """Row layout: "vqa", "messages" (HF chat), "llava", "cauldron", or "auto" (detected
+        from the columns); ``preprocess-cached --format`` (docs/vl_data_formats.md)."""
+
+        image_column: str | None = BuildConfig.image_column
+        """The image column (None: detected); ``--image-column``."""
+
+        question_column: str | None = BuildConfig.question_column
+        """vqa: the question column (None: detected); ``--question-column``."""
+
+        answer_column: str | None = BuildConfig.answer_column
+        """vqa: the answer column (None: detected); ``--answer-column``."""
+
+        messages_column: str | None = BuildConfig.messages_column
+        """messages: the chat column (None: "messages"); ``--messages-column``."""
+
+        conversations_column: str | None = BuildConfig.conversations_column
+        """llava: the conversations column (None: "conversations"); ``--conversations-column``."""
+
+        texts_column: str | None = BuildConfig.texts_column
+        """cauldron: the turns column (None: "texts"); ``--texts-column``."""
+
+        truncate: bool = BuildConfig.truncate
+        """A sample longer than the pack length drops whole trailing turns instead of being
+        skipped as too_long (part of the key); ``--truncate``."""
 
     def __init__(
         self,
