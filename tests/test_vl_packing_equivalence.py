@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan  # noqa: E402
 from torchtitan_ext.vl.dataset import CachedVLDataset  # noqa: E402
 
+from .support.tiny_qwen3vl import tiny_model  # noqa: E402
 from .support.vl_sample import sample_cache  # noqa: E402
 
 
@@ -28,44 +29,6 @@ def env(tmp_path_factory):
 
     with sample_cache(tmp_path_factory, "vl_eq") as env:
         yield {**env, "cache": VLCache.open(env["path"]), "proc": load_processor(None)}
-
-
-def tiny_model(special: dict[str, int], vocab: int) -> torch.nn.Module:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    cfg = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [3, 3, 2],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=256,
-        ),
-        image_token_id=special["image_pad_id"],
-        video_token_id=special["video_pad_id"],
-        vision_start_token_id=special["vision_start_id"],
-        vision_end_token_id=special["vision_end_id"],
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen3VLForConditionalGeneration(cfg)
 
 
 def alone_samples(env, pack_index: int):
