@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -123,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from torchtitan_ext.vl.pack_source import resolve_dataset
 
-    if not logging.getLogger().handlers:  # the layout choice is logged at INFO
-        logging.basicConfig(level=logging.INFO, format="preprocess-cached: %(message)s")
     if a.buckets:
         a.buckets = [int(x) for x in a.buckets.split(",") if x.strip()]
     workers = default_num_workers() if a.num_workers is None else a.num_workers
@@ -150,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     dt = time.perf_counter() - t0
     with open(os.path.join(path, "packing_stats.json")) as f:
         st = json.load(f)
+    with open(os.path.join(path, "metadata.json")) as f:
+        lay = json.load(f)["layout"]
+    cols = ", ".join(f"{r}={c!r}" for r, c in lay["columns"].items() if c is not None)
+    how = "detected" if a.format == "auto" else "as asked"
     print(f"cache: {path}")
+    print(f"row layout {lay['layout']} ({how}) from columns {cols}")
     print(
         f"packs {st['packs']}  samples {st['samples_packed']}  skipped {st['skipped_total']} "
         f"{st['skipped']}  fill {st['fill_pct']['mean']}%  ({dt:.1f}s this run)"

@@ -40,6 +40,14 @@ CHAT_BAD_ROW_REASONS: dict[str, str] = {
 }
 """Bad row kind -> its skip reason (``overlong`` fits with ``truncate``: its first turn is short)."""
 
+WHAT = {
+    "astronaut": "an astronaut", "camera": "a man with a camera", "chelsea": "a cat",
+    "chessboard_RGB": "a chessboard", "coffee": "a cup of coffee",
+    "hubble_deep_field": "a field of galaxies", "logo": "a logo", "motorcycle_left": "a motorcycle",
+    "page": "a page of text", "retina": "a retina", "rocket": "a rocket",
+}  # fmt: skip
+"""What each shipped source image shows, with its article."""
+
 SYSTEM_PROMPTS = (
     "You are a careful assistant. Answer in one short sentence.",
     "You describe pictures for people who cannot see them.",
@@ -89,7 +97,7 @@ class _Maker:
         name, src = self.sources[self.k % len(self.sources)]
         data, q, a = _variant(self.rng, src, name, self.k)
         self.k += 1
-        return data, name.replace("_", " "), q, a
+        return data, WHAT.get(name, name.replace("_", " ")), q, a
 
     def row(self, i: int) -> dict[str, Any]:
         kind = i % 6
@@ -103,7 +111,7 @@ class _Maker:
                 _user(None, q1),
                 _say("assistant", a1),
                 _user("And what does this one show?", None),
-                _say("assistant", f"It shows a {w2}."),
+                _say("assistant", f"It shows {w2}."),
             ]
             return {"messages": msgs, "images": [_img(d1), _img(d2)]}
         if kind == 2:
@@ -111,7 +119,7 @@ class _Maker:
             msgs = [
                 _say("system", rng.choice(SYSTEM_PROMPTS)),
                 _user(None, None, None, "How many pictures are there, and what do they show?"),
-                _say("assistant", "Three: a {}, a {} and a {}.".format(*(x[1] for x in imgs))),
+                _say("assistant", "Three: {}, {} and {}.".format(*(x[1] for x in imgs))),
             ]
             return {"messages": msgs, "images": [_img(x[0]) for x in imgs]}
         if kind == 3:
