@@ -162,3 +162,13 @@ def test_chat_train_config_feeds_the_loader(env, tmp_path):
     batch = next(iter(loader))
     assert batch["input_ids"].shape[1] in [*dl["buckets"], table["training"]["seq_len"]]
     assert batch["image_grid_thw"].shape[0] >= 2 and batch["labels"].ne(-100).any()
+
+
+@pytest.mark.slow
+def test_chat_benchmark_quick_smoke(env):
+    from benchmarks.common import BenchArgs
+    from benchmarks.vl_chat import run
+
+    rows = run(BenchArgs(quick=True, repeats=1, extra={"images": "6"}))
+    assert [r.info["images"] for r in rows] == [6] * 4 and rows[1].ratio > 0 and rows[3].ratio > 0
+    assert rows[0].info["chat_rows"] == 3 and rows[0].info["vqa_rows"] == 6
