@@ -1,6 +1,7 @@
 # torchtitan_ext — one-command set-up on a fresh machine (CPU-only is fine).
 #   make demo   : venv + install + embedded data, then train the llama3 debug model ~20 steps on CPU
-#   make test   : venv + install, then the test suite
+#   make test   : venv + install, then the test suite (random order, HOME must stay empty)
+#   make test-alone : every test in its own pytest process (slow: ~1 h on 2 cores)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ CONFIG ?= train_configs/llama3_debug_cpu.toml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-resume test test-fast lint bench clean-demo
+.PHONY: setup demo demo-resume test test-fast test-alone lint bench clean-demo
 
 setup: $(STAMP)
 
@@ -34,8 +35,16 @@ demo-resume: setup
 clean-demo:
 	rm -rf outputs/llama3_debug_cpu
 
+# The suite runs in a random order (pytest-randomly; the header prints the seed, rerun one with
+# PYTEST_ARGS=--randomly-seed=N, file order with PYTEST_ARGS="-p no:randomly"), with HOME set
+# to an empty directory that must still be empty afterwards (the suite keeps its caches in its
+# own temporary directory: tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) scripts/check_home_untouched.py -- $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Each test alone, in a fresh process (catches tests that pass only after another one).
+test-alone: setup
+	$(PY) scripts/run_tests_alone.py $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)

@@ -10,16 +10,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-
-pytest.importorskip("torchtitan")
-
-from torchtitan_ext.config import (  # noqa: E402
+from torchtitan_ext.config import (
     ConfigError,
     ExtTrainer,
     config_to_dict,
     load_config,
 )
-from torchtitan_ext.registry import register_loader  # noqa: E402
+from torchtitan_ext.registry import register_loader
 
 TOY = REPO / "tests" / "data" / "configs" / "toy_debug.toml"
 

@@ -19,14 +19,13 @@ so a model can learn them. ``bad_rows=True`` appends the row checks' cases
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
+from torchtitan_ext.data.cachedir import build_atomically, cache_root
 from torchtitan_ext.vl.sample_data import _variant, source_dir
 
 CHAT_SAMPLE_VERSION = 1
@@ -200,32 +199,24 @@ def write_chat_parquet(rows: list[dict[str, Any]], file: Path) -> Path:
 def make_chat_sample(
     out_dir: str | Path, n: int = 120, bad_rows: bool = False, seed: int = 0
 ) -> Path:
-    """Write ``out_dir/train-00000-of-00001.parquet`` (n rows [+ bad rows]); returns out_dir."""
-    out = Path(out_dir)
-    mk = _Maker(seed)
-    rows = [mk.row(i) for i in range(n)]
-    if bad_rows:
-        for j, r in enumerate(mk.bad_rows()):
-            rows.insert(min(len(rows), 2 + j * max(1, len(rows) // 5)), r)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_chat_parquet(rows, tmp / "train-00000-of-00001.parquet")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process finished first: its copy is identical (deterministic)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """Write ``out_dir/train-00000-of-00001.parquet`` (n rows [+ bad rows]); returns out_dir.
+    Reused while its manifest matches (:func:`torchtitan_ext.data.cachedir.build_atomically`)."""
+
+    def fill(tmp: Path) -> None:
+        mk = _Maker(seed)
+        rows = [mk.row(i) for i in range(n)]
+        if bad_rows:
+            for j, r in enumerate(mk.bad_rows()):
+                rows.insert(min(len(rows), 2 + j * max(1, len(rows) // 5)), r)
+        write_chat_parquet(rows, tmp / "train-00000-of-00001.parquet")
+
+    meta = {"chat_sample_version": CHAT_SAMPLE_VERSION, "n": n, "bad_rows": bad_rows, "seed": seed}
+    return build_atomically(Path(out_dir), fill, meta)
 
 
 def chat_sample_path(n: int = 120, bad_rows: bool = False, root: str | Path | None = None) -> Path:
     """The chat sample's Parquet directory, generated on first use under ``root`` (default:
-    ``$TORCHTITAN_EXT_CACHE`` or ``~/.cache/torchtitan_ext``)."""
-    from torchtitan_ext.vl.processor import default_cache_root
-
-    base = Path(root) if root is not None else default_cache_root()
+    :func:`torchtitan_ext.data.cachedir.cache_root`)."""
+    base = Path(root) if root is not None else cache_root()
     out = base / f"vl_chat_sample_v{CHAT_SAMPLE_VERSION}_n{n}{'_bad' if bad_rows else ''}"
-    if (out / "train-00000-of-00001.parquet").exists():
-        return out
     return make_chat_sample(out, n=n, bad_rows=bad_rows)

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from torchtitan_ext.vl.format import sha256_file as _sha256_stream
+from torchtitan_ext.data.cachedir import sha256_file as _sha256_stream
 from torchtitan_ext.vl.layouts import ChatSample, Layout, VQALayout, choose_layout
 
 __all__ = [
