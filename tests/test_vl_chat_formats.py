@@ -28,11 +28,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from torchtitan_ext.vl.processor import normalize_patches
 
-from torchtitan_ext.vl.processor import normalize_patches  # noqa: E402
-
-from .support.vl_chat import (  # noqa: E402
+from .support.vl_chat import (
     cached_samples,
     hf_reference,
     image_bytes,

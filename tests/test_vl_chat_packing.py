@@ -13,11 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from torchtitan_ext.vl.collate import PixelNorm, collate_hf, normalize
 
-from torchtitan_ext.vl.collate import PixelNorm, collate_hf, normalize  # noqa: E402
-
-from .support.tiny_qwen3vl import tiny_model  # noqa: E402
+from .support.tiny_qwen3vl import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -176,8 +176,8 @@ class ChatRenderer:
             if msg["role"] != "assistant":
                 continue
             mine = [n for n, k in enumerate(rendered) if slots[k][0] == m]
-            if not mine:
-                raise _bad(f"the chat template does not render assistant turn {m}")
+            if not mine:  # no text of this turn in the output: the prefix renders decide
+                return None
             after = pieces[mine[-1] + 1]
             end = after.find(END_OF_TURN)
             between = "".join(pieces[n + 1] for n in mine[:-1])
@@ -186,6 +186,15 @@ class ChatRenderer:
             spans.append((mine[0], mine[-1], end + len(END_OF_TURN)))
         return _Plan(tuple(pieces), rendered, tuple(spans))
 
+    def _generation_prompt(self) -> str:
+        """What the generation prompt adds (the assistant header), for a conversation that
+        starts with an assistant turn (templates cannot render an empty conversation)."""
+        probe = [{"role": "user", "content": "x"}]
+        with_prompt, without = self.template(probe, True), self.template(probe)
+        if not with_prompt.startswith(without):
+            raise _bad("the chat template's generation prompt is not a suffix")
+        return with_prompt[len(without) :]
+
     def _render_slow(self, messages: list[dict[str, Any]]) -> ChatText:
         """Render the whole conversation; locate each assistant turn by prefix renders."""
         full = self.template(messages)
@@ -193,7 +202,7 @@ class ChatRenderer:
         for m, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            before = self.template(messages[:m], generation_prompt=True) if m else ""
+            before = self.template(messages[:m], True) if m else self._generation_prompt()
             through = self.template(messages[: m + 1])
             if not (full.startswith(through) and through.startswith(before)):
                 raise _bad(f"the chat template does not render turn {m} as a prefix of the next")
