@@ -308,9 +308,9 @@ def test_hf_messages_rows(tmp_path, proc, rope_model):
 
 def _vqav2(b: list[bytes], with_mc: bool) -> list[dict]:
     answers = [
-        ["yes", "yes", "no", "yes"],
-        ["2", "two", "2", "3"],
-        ["red", "maroon", "maroon", "red"],  # a tie: the first of the most frequent
+        ["no", "yes", "yes", "yes"],  # the most frequent is not the first
+        ["two", "2", "2", "3"],
+        ["maroon", "red", "red", "maroon"],  # a tie: the first of the most frequent
     ]
     rows = []
     questions = ["Is it day?", "How many?", "What colour?"]
@@ -323,7 +323,7 @@ def _vqav2(b: list[bytes], with_mc: bool) -> list[dict]:
             "image": {"bytes": b[i], "path": f"COCO_val2014_{1000 + i:012d}.jpg"},
         }  # fmt: skip
         if with_mc:
-            r["multiple_choice_answer"] = {"yes": "yes", "2": "2", "red": "red"}[ans[0]]
+            r["multiple_choice_answer"] = ["yes", "2", "red"][i]  # VQAv2's own choice
         rows.append(r)
     return rows
 
@@ -355,7 +355,7 @@ def test_vqav2_rows(tmp_path, proc, rope_model, with_mc):
     cache = VLCache.open(build_cache(d, "validation", tmp_path / "c", SEQ, 8, show_progress=False))
     want_col = "multiple_choice_answer" if with_mc else "answers"
     assert cache.metadata["layout"]["columns"]["answer"] == want_col
-    targets = ["yes", "2", "red"]
+    targets = ["yes", "2", "red"] if with_mc else ["yes", "2", "maroon"]
     questions = ["Is it day?", "How many?", "What colour?"]
     expected = {
         i: ([{"role": "user", "content": [IMG, text(questions[i])]},
