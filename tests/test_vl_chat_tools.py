@@ -172,3 +172,21 @@ def test_chat_benchmark_quick_smoke(env):
     rows = run(BenchArgs(quick=True, repeats=1, extra={"images": "6"}))
     assert [r.info["images"] for r in rows] == [6] * 4 and rows[1].ratio > 0 and rows[3].ratio > 0
     assert rows[0].info["chat_rows"] == 3 and rows[0].info["vqa_rows"] == 6
+
+
+def test_render_strip_ticks_turn_starts_and_numbers_images():
+    """The strip marks each <|im_start|> with a tick of its own colour and nowhere else."""
+    from PIL import ImageDraw
+
+    from torchtitan_ext.vl.render import COLORS, TURN_TICK, _strip
+
+    sp = {"im_start_id": 1, "image_pad_id": 7}
+    ids = np.array([1, 5, 5, 7, 7, 5, 1, 5, 5, 5])
+    kind = np.array(["masked"] * 3 + ["image"] * 2 + ["masked", "masked"] + ["target"] * 3,
+                    dtype=object)  # fmt: skip
+    img = Image.new("RGB", (200, 60), "white")
+    y_end = _strip(ImageDraw.Draw(img), kind, ids, sp, 10, 20, 8, 20)
+    px = img.load()
+    ticks = [j for j in range(len(ids)) if px[10 + 8 * j, 19] == TURN_TICK]
+    assert ticks == [0, 6] and y_end > 20
+    assert px[10 + 8 * 8 + 4, 22] == COLORS["target"] and px[10 + 8 * 3 + 4, 22] == COLORS["image"]

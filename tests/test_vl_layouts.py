@@ -48,6 +48,9 @@ def proc(home):
         (["image", "question", "answer"], "vqa"),
         (["question", "multiple_choice_answer", "answers", "image"], "vqa"),
         (["question", "answer"], "vqa"),  # text-only QA
+        # a conversation column wins over question/answer columns (it is the specific one)
+        (["image", "question", "answer", "conversations"], "llava"),
+        (["messages", "question", "answer"], "messages"),
     ],
 )
 def test_auto_detects_and_logs_the_layout(columns, name, caplog):
