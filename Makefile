@@ -17,21 +17,30 @@ setup: $(STAMP)
 
 # torch is installed first and pinned: on a machine without a GPU the local CPU wheel of
 # torch 2.13.0 is used, so nothing pulls a multi-GB CUDA build; pyproject pins the same version.
+# Each step says what it does first (pip -q is silent for up to a few minutes).
 $(STAMP): pyproject.toml $(wildcard setup.py)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -c "from torchtitan_ext.data.embedded import ensure_embedded_data as e; print('embedded data:', e())"
-	touch $(STAMP)
+	@echo "==> set-up 1/4: virtual environment $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "==> set-up 2/4: torch 2.13.0 (the CPU build without a GPU; the largest download)"
+	@$(PY) -m pip install -q "torch==2.13.0"
+	@echo "==> set-up 3/4: torchtitan_ext + pinned dependencies (editable; compiles the BPE merge loop)"
+	@# setuptools boxes an informational note about editable installs; only that note is hidden
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[test]"
+	@echo "==> set-up 4/4: embedded corpus + its tokenizer (built once, a few seconds)"
+	@$(PY) -c "from torchtitan_ext.data.embedded import ensure_embedded_data as e; print('    ', e())"
+	@touch $(STAMP)
+	@echo "==> set-up done"
 
 demo: setup
+	@echo "==> training the llama3 debug model on CPU: $(CONFIG) (checkpoints in outputs/llama3_debug_cpu)"
 	$(PY) -m torchtitan_ext.train --config-file $(CONFIG) $(ARGS)
 
 # Continue the demo job 10 steps past its last checkpoint.
 demo-resume: setup
 	$(PY) -m torchtitan_ext.train --config-file $(CONFIG) --training.steps 30 $(ARGS)
 
+# Start the demo over (its checkpoints are what `make demo` resumes from).
 clean-demo:
 	rm -rf outputs/llama3_debug_cpu
 

@@ -502,7 +502,7 @@ def test_cli_writes_tokenizer_and_summary(tmp_path, capsys):
         [
             "--input", str(DATA / "corpus.en"), "--vocab-size", "500",
             "--special-token", EOT, "--out", str(out), "--workers", "0",
-            "--eos-token", EOT, "--no-progress",
+            "--eos-token", EOT, "--quiet",
         ]
     )  # fmt: skip
     assert rc == 0
@@ -518,7 +518,7 @@ def test_cli_writes_tokenizer_and_summary(tmp_path, capsys):
 def test_cli_errors(tmp_path, capsys):
     from torchtitan_ext.tokenizer.cli import main
 
-    base = ["--vocab-size", "300", "--out", str(tmp_path / "o"), "--no-progress"]
+    base = ["--vocab-size", "300", "--out", str(tmp_path / "o"), "--quiet"]
     assert main(["--input", str(tmp_path / "missing.txt"), *base]) == 1
     assert "missing.txt" in capsys.readouterr().err
     assert main(["--input", str(DATA / "corpus.en"), "--eos-token", "<x>", *base]) == 2

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import DataLoader
 from torchtitan.components.dataloader import BaseDataLoader
@@ -48,6 +48,7 @@ from torchtitan_ext.vl.collate import (
     finish_on_device,
 )
 from torchtitan_ext.vl.dataset import CachedVLDataset, advance
+from torchtitan_ext.vl.layouts import Format
 from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning, open_packs
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class CachedVLDataLoader(BaseDataLoader):
         ``seq_len`` the cache was built with — it is part of the key."""
 
         buffer_size: int = 64
-        """Samples the best-fit packer chooses from (part of the key; seed 004 used 64-75)."""
+        """Samples the best-fit packer chooses from (part of the key)."""
 
         buckets: list[int] | None = None
         """Allowed padded pack lengths (each <= pack_seq_len); None: every pack is padded to
@@ -129,16 +130,16 @@ class CachedVLDataLoader(BaseDataLoader):
         infinite: bool = True
         """Loop over epochs forever; False: stop after one epoch (validation)."""
 
-        remainder: str = "drop"
+        remainder: Literal["drop", "wrap"] = "drop"
         """Equal steps per rank when the pack count is not a multiple of the DP degree:
         "drop" skips the last (N mod W) packs of each epoch's permutation (different ones each
         epoch), "wrap" completes the last round from the start of the permutation."""
 
-        batch_format: str = "torchtitan"
+        batch_format: Literal["torchtitan", "hf"] = "torchtitan"
         """"torchtitan": ``(input_dict, labels)`` with MultiModalCollator keys (labels shifted);
         "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...)."""
 
-        normalize_on: str = "collate"
+        normalize_on: Literal["collate", "device"] = "collate"
         """"collate": float pixel_values built on the CPU; "device": pixel_values stay uint8 and are
         normalised after the host-to-device copy (AsyncDeviceLoader, or ``finish_on_device``)."""
 
@@ -154,7 +155,7 @@ class CachedVLDataLoader(BaseDataLoader):
         and remembered by size + mtime) or "quick" (size + first/last MiB); must match the
         ``preprocess-cached --fingerprint`` the cache was built with."""
 
-        format: str = BuildConfig.format
+        format: Format = BuildConfig.format
         """Row layout: "vqa", "messages" (HF chat), "llava", "cauldron", or "auto" (detected
         from the columns); ``preprocess-cached --format`` (docs/vl_data_formats.md)."""
 

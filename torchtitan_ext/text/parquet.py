@@ -94,45 +94,69 @@ def _expand(spec: str | os.PathLike | list) -> list[Path]:
     raise FileNotFoundError(f"no such Parquet file, directory or glob: {s!r}")
 
 
-def list_split(
-    path: str | os.PathLike | list, split: str = "train", val_files: str = "auto"
-) -> list[Path]:
-    """The files of ``split`` ("train" or "val"); see the module docstring for ``val_files``."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+@dataclass(frozen=True)
+class SplitFiles:
+    """The files of both splits and the rule that chose the validation files (for the log)."""
+
+    train: list[Path]
+    val: list[Path]
+    rule: str
+
+
+def split_files(path: str | os.PathLike | list, val_files: str = "auto") -> SplitFiles:
+    """Both splits of ``path``; see the module docstring for ``val_files``. The training split
+    may be empty here (:func:`list_split` refuses that)."""
     files = _expand(path)
     if not files:
         raise FileNotFoundError(f"no Parquet files match {path!r}")
     if val_files == "none":
         val: list[Path] = []
+        rule = "val_files='none': no validation files"
     elif val_files == "auto":
         val = [f for f in files if f.name.lower().startswith("val")]
+        rule = "val_files='auto': the files named val*"
         if not val and len(files) >= 2:
             val = [files[-1]]
+            rule = "val_files='auto': no file is named val*, so the last shard in sorted order"
+        elif not val:
+            rule = "val_files='auto': a single file and none named val*, so no validation files"
     elif val_files == "last_shard":
         if len(files) < 2:
             raise ValueError(
                 f"val_files='last_shard' needs at least 2 shards, {path!r} has {len(files)}"
             )
         val = [files[-1]]
+        rule = "val_files='last_shard': the last shard in sorted order"
     else:
         val = _expand(val_files)
         if not val:
             raise FileNotFoundError(f"val_files={val_files!r} matches no Parquet file")
+        rule = f"val_files={val_files!r}"
     val_set = {f.resolve() for f in val}
+    train = [f for f in files if f.resolve() not in val_set]
+    return SplitFiles(train, sorted(val), rule)
+
+
+def list_split(
+    path: str | os.PathLike | list, split: str = "train", val_files: str = "auto"
+) -> list[Path]:
+    """The files of ``split`` ("train" or "val"); see the module docstring for ``val_files``."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    files = split_files(path, val_files)
     if split == "val":
-        if not val:
+        if not files.val:
             raise ValueError(
                 f"no validation split for {path!r} (val_files={val_files!r}); set val_files to a "
                 "glob or 'last_shard'"
             )
-        return sorted(val)
-    train = [f for f in files if f.resolve() not in val_set]
-    if not train:
+        return files.val
+    if not files.train:
         raise ValueError(
-            f"the training split of {path!r} is empty after holding out validation files {val}"
+            f"the training split of {path!r} is empty after holding out validation files "
+            f"{[str(f) for f in files.val]}"
         )
-    return train
+    return files.train
 
 
 @dataclass(frozen=True)

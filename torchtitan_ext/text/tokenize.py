@@ -177,20 +177,32 @@ class TextTokenizer:
         )
 
     @classmethod
-    def coerce(cls, obj: Any, engine: Engine = "auto") -> TextTokenizer:
+    def coerce(
+        cls, obj: Any, engine: Engine = "auto", bos_token: str | None = None
+    ) -> TextTokenizer:
         """Accept a TextTokenizer, a path, a ``tokenizers.Tokenizer`` or torchtitan's
-        ``HuggingFaceTokenizer`` (duck-typed: ``.tokenizer`` + ``bos_id``/``eos_id``)."""
-        if isinstance(obj, TextTokenizer):
-            return obj
+        ``HuggingFaceTokenizer`` (duck-typed: ``.tokenizer`` + ``bos_id``/``eos_id``).
+        ``bos_token`` (a token string) replaces the BOS the tokenizer declares."""
         if isinstance(obj, (str, Path)):
-            return cls.from_path(obj, engine=engine)
-        if isinstance(obj, Tokenizer):
-            return cls(obj, None, None, engine=engine)
-        inner = getattr(obj, "tokenizer", None)
-        if isinstance(inner, Tokenizer):
+            return cls.from_path(obj, bos_token=bos_token, engine=engine)
+        if isinstance(obj, TextTokenizer):
+            tok = obj
+        elif isinstance(obj, Tokenizer):
+            tok = cls(obj, None, None, engine=engine)
+        elif isinstance(getattr(obj, "tokenizer", None), Tokenizer):
             bos, eos = getattr(obj, "bos_id", None), getattr(obj, "eos_id", None)
-            return cls(inner, bos, eos, engine=engine)
-        raise TypeError(f"cannot use {type(obj).__name__} as a tokenizer")
+            tok = cls(obj.tokenizer, bos, eos, engine=engine)
+        else:
+            raise TypeError(f"cannot use {type(obj).__name__} as a tokenizer")
+        if bos_token is None:
+            return tok
+        bos = tok.tokenizer.token_to_id(bos_token)
+        if bos is None:
+            raise ValueError(f"{tok.source}: BOS token {bos_token!r} is not in the vocabulary")
+        if tok is obj and bos != tok.bos_id:  # never change the caller's object
+            tok = cls(tok.tokenizer, bos, tok.eos_id, tok.pad_id, tok.source, engine=engine)
+        tok.bos_id = bos
+        return tok
 
     # ------------------------------------------------------------------ encoding
     def encode_arrays(
