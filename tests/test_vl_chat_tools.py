@@ -190,3 +190,25 @@ def test_render_strip_ticks_turn_starts_and_numbers_images():
     ticks = [j for j in range(len(ids)) if px[10 + 8 * j, 19] == TURN_TICK]
     assert ticks == [0, 6] and y_end > 20
     assert px[10 + 8 * 8 + 4, 22] == COLORS["target"] and px[10 + 8 * 3 + 4, 22] == COLORS["image"]
+
+
+def test_online_fallback_reads_chat_layouts_like_the_builder(env, tmp_path):
+    """The online fallback uses the builder's layout, column flags and dataset directory: its
+    packs equal the cache's, pixels of relative-path images included."""
+    import torch
+
+    from torchtitan_ext.vl.build import build_cache
+    from torchtitan_ext.vl.cache import VLCache
+    from torchtitan_ext.vl.online import OnlineVLDataset
+
+    d = _llava_dir(tmp_path / "ll")
+    opts = {"conversations_column": "conv", "image_column": "pic", "buckets": [256, 512]}
+    cache = VLCache.open(build_cache(d, "train", tmp_path / "c", 1024, 4, show_progress=False,
+                                     **opts))  # fmt: skip
+    online = list(OnlineVLDataset(d, "train", seq_len=1024, buffer_size=4, shuffle=False,
+                                  infinite=False, **opts))  # fmt: skip
+    assert len(online) == len(cache) >= 1
+    for i, p in enumerate(online):
+        c = cache.pack(i)
+        for k in ("input_ids", "labels", "position_ids", "pixel_u8", "image_grid_thw"):
+            assert torch.equal(p[k], c[k]), k
