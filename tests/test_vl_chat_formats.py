@@ -42,33 +42,17 @@ SEQ = 4096
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("chatfmt")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
-    yield root
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def proc(home):
+def proc():
     from torchtitan_ext.vl.processor import load_processor
 
     return load_processor(None)
 
 
 @pytest.fixture(scope="module")
-def rope_model(home):
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+def rope_model():
+    from .support.tiny_qwen3vl import rope_model as make
 
-    cfg = Qwen3VLConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         vocab_size=600),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=32, spatial_merge_size=2),
-    )  # fmt: skip
-    return Qwen3VLModel(cfg).eval()
+    return make()
 
 
 def build(data: Path, cache_dir: Path, **options):

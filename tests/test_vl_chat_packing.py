@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_ext.vl.collate import PixelNorm, collate_hf, normalize
+from torchtitan_ext.vl.collate import PixelNorm, collate_hf
 
-from .support.tiny_qwen3vl import tiny_model
+from .support.tiny_qwen3vl import run_alone, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +26,16 @@ def env(tmp_path_factory):
     from torchtitan_ext.vl.sample_chat import chat_sample_path
     from torchtitan_ext.vl.sources import open_source
 
-    mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("chatpack")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
-    try:
-        data = chat_sample_path(n=36, root=root / "data")
-        path = build_cache(data, "train", root / "cache", 1024, 8, buckets=[512, 768],
-                           show_progress=False)  # fmt: skip
-        yield {
-            "cache": VLCache.open(path),
-            "rows": open_source(data, "train"),
-            "proc": load_processor(None),
-            "config": config_from(data, "train", 1024, 8),
-        }
-    finally:
-        mp.undo()
+    data = chat_sample_path(n=36, root=root / "data")
+    path = build_cache(data, "train", root / "cache", 1024, 8, buckets=[512, 768],
+                       show_progress=False)  # fmt: skip
+    return {
+        "cache": VLCache.open(path),
+        "rows": open_source(data, "train"),
+        "proc": load_processor(None),
+        "config": config_from(data, "train", 1024, 8),
+    }
 
 
 def alone(env, row: int):
@@ -89,15 +84,7 @@ def test_packed_chat_equals_unpacked_logits(env):
             turns = sum(m["role"] == "assistant" for m in sample.messages)
             seen_multi_image_multi_turn |= len(sample.images) >= 2 and turns >= 2
             seen_text_only |= not sample.images
-            kw = {}
-            if len(s.image_grid_thw):
-                kw = {
-                    "pixel_values": normalize(s.pixel_u8, norm),
-                    "image_grid_thw": s.image_grid_thw,
-                }
-            with torch.no_grad():
-                ref = model(input_ids=s.input_ids[None], position_ids=s.position_ids[:, None],
-                            labels=s.labels[None], use_cache=False, **kw)  # fmt: skip
+            ref = run_alone(model, s, norm)
             d = (out.logits[b, offset : offset + n] - ref.logits[0]).abs().max().item()
             worst = max(worst, d)
             k = int((s.labels[1:] != -100).sum())

@@ -23,13 +23,10 @@ CONFIGS = REPO / "tests" / "data" / "configs"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("chattools")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
     from torchtitan_ext.vl.sample_chat import chat_sample_path
 
-    yield {"root": root, "chat": chat_sample_path(n=24)}
-    mp.undo()
+    root = tmp_path_factory.mktemp("chattools")
+    return {"root": root, "chat": chat_sample_path(n=24, root=root / "data")}
 
 
 def _llava_dir(d: Path) -> Path:

@@ -21,16 +21,7 @@ IMG = {"type": "image"}
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("layouts")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
-    yield root
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def proc(home):
+def proc():
     from torchtitan_ext.vl.processor import load_processor
 
     return load_processor(None)
@@ -141,7 +132,7 @@ def _process(proc, messages, images, **kw):
     return process_chat(proc, messages, [pil(b) for b in images], **kw)
 
 
-def test_row_checks_are_counted_skips(home, tmp_path):
+def test_row_checks_are_counted_skips(tmp_path):
     """The chat sample's bad rows, through a build: each skipped under its reason, an unreadable
     image inside a list named by its index, counts reconcile; --strict names the row."""
     from torchtitan_ext.vl.build import build_cache
@@ -258,7 +249,7 @@ def test_empty_and_special_text(proc):
 # ---------------------------------------------------------------------------------- HF datasets
 
 
-def test_hf_datasets_image_and_sequence_image_columns(home, tmp_path, proc):
+def test_hf_datasets_image_and_sequence_image_columns(tmp_path, proc):
     """``Dataset`` with an ``Image()`` feature (from files: stored as paths; from PIL images:
     stored as bytes) and one with a ``Sequence(Image())`` feature, saved with ``to_parquet``,
     build directly; pixels equal the HF image processor's."""
@@ -321,7 +312,7 @@ def _key(data, cache_dir, **kw):
     return resolve(config_from(data, "train", 1024, 8, **kw), cache_dir).key
 
 
-def test_cache_key_holds_layout_columns_and_template(home, tmp_path, proc):
+def test_cache_key_holds_layout_columns_and_template(tmp_path, proc):
     from torchtitan_ext.vl.processor import offline_processor_dir
 
     d = tmp_path / "d"
@@ -367,7 +358,7 @@ TRIMMING_TEMPLATE = (
 @pytest.mark.parametrize(
     "template", [QWEN2_VL_TEMPLATE, TRIMMING_TEMPLATE], ids=["qwen2vl", "trim"]
 )
-def test_model_path_uses_its_own_template(home, tmp_path, template):
+def test_model_path_uses_its_own_template(tmp_path, template):
     """A --model-path processor renders with its own template: a default system prompt (fast
     path) and a template that rewrites texts (proven not splice-safe: the slow path) both give
     the HF processor's ids and the assistant spans."""

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan  # noqa: E402
 from torchtitan_ext.vl.dataset import CachedVLDataset  # noqa: E402
 
-from .support.tiny_qwen3vl import tiny_model  # noqa: E402
+from .support.tiny_qwen3vl import run_alone, tiny_model  # noqa: E402
 from .support.vl_sample import sample_cache  # noqa: E402
 
 
@@ -78,15 +78,7 @@ def test_packed_equals_unpacked_logits_loss_and_step(env):
             # The cache holds exactly the unpacked sample's tokens, positions and pixels.
             assert torch.equal(batch["input_ids"][row, offset : offset + n], s.input_ids)
             assert torch.equal(batch["position_ids"][:, row, offset : offset + n], s.position_ids)
-            with torch.no_grad():
-                ref = model(
-                    input_ids=s.input_ids[None],
-                    position_ids=s.position_ids[:, None],
-                    pixel_values=norm_pixels(s.pixel_u8, norm),
-                    image_grid_thw=s.image_grid_thw,
-                    labels=s.labels[None],
-                    use_cache=False,
-                )
+            ref = run_alone(model, s, norm)
             d = (out.logits[row, offset : offset + n] - ref.logits[0]).abs().max().item()
             worst = max(worst, d)
             k = int((s.labels[1:] != -100).sum())
@@ -116,12 +108,6 @@ def test_packed_equals_unpacked_logits_loss_and_step(env):
     assert changed > 0.9 * len(before)
     with torch.no_grad():
         assert model(**batch).loss.item() < loss.item()
-
-
-def norm_pixels(u8: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
-    from torchtitan_ext.vl.collate import normalize
-
-    return normalize(u8, norm)
 
 
 def test_tiny_training_loop_from_dataset(env):

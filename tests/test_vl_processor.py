@@ -145,37 +145,9 @@ def test_normalize_patches_matches_hf_arithmetic(rows, seed):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from .support.tiny_qwen3vl import rope_model
 
-    cfg = Qwen3VLConfig(
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            vocab_size=600,
-            rope_scaling={
-                "rope_type": "default",
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=32,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            deepstack_visual_indexes=[0],
-        ),
-    )
-    torch.manual_seed(0)
-    return Qwen3VLModel(cfg).eval()
+    return rope_model()
 
 
 def _hf_rope(model, ids: np.ndarray, grid: np.ndarray, pad: int) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""A tiny randomly initialised Qwen3-VL (transformers, built from a config: no download) whose
-token ids are the offline processor's special tokens; the packing-equivalence tests run on it."""
+"""Tiny randomly initialised Qwen3-VL models (transformers, built from a config: no download):
+``tiny_model`` (whose token ids are the offline processor's special tokens) for the
+packing-equivalence tests, ``rope_model`` for ``get_rope_index``; ``run_alone`` runs one sample."""
 
 from __future__ import annotations
 
@@ -42,3 +43,27 @@ def tiny_model(special: dict[str, int], vocab: int) -> torch.nn.Module:
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return Qwen3VLForConditionalGeneration(cfg)
+
+
+def rope_model() -> torch.nn.Module:
+    """The ``Qwen3VLModel`` inside :func:`tiny_model`: its ``get_rope_index`` reads only the
+    config (the token ids it is given are its arguments)."""
+    ids = {"image_pad_id": 1, "video_pad_id": 2, "vision_start_id": 3, "vision_end_id": 4}
+    return tiny_model(ids, vocab=600).model.eval()
+
+
+def run_alone(model: torch.nn.Module, s, norm):
+    """One unpadded sample (a ``VLSample``) through ``model`` with its labels (no grad)."""
+    from torchtitan_ext.vl.collate import normalize
+
+    kw = {}
+    if len(s.image_grid_thw):
+        kw = {"pixel_values": normalize(s.pixel_u8, norm), "image_grid_thw": s.image_grid_thw}
+    with torch.no_grad():
+        return model(
+            input_ids=s.input_ids[None],
+            position_ids=s.position_ids[:, None],
+            labels=s.labels[None],
+            use_cache=False,
+            **kw,
+        )
