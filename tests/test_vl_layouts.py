@@ -149,6 +149,12 @@ def test_row_checks_are_counted_skips(tmp_path):
     rows = pq.read_table(d / "train-00000-of-00001.parquet").to_pylist()
     kinds = {r["kind"]: i for i, r in enumerate(rows)}
     assert st["skipped_example_rows"]["corrupt_image"] == [kinds["corrupt_in_list"]]
+    # --truncate: the over-long row is packed without its trailing turns, and counted
+    k = build_cache(d, "train", tmp_path / "c", 1024, 8, show_progress=False, truncate=True)
+    st = json.loads((k / "packing_stats.json").read_text())
+    assert "too_long" not in st["skipped"] and st["samples_truncated"] == 1
+    assert st["turns_dropped"] >= 2 and st["turns_dropped"] % 2 == 0  # whole exchanges
+    assert st["rows_read"] == st["samples_packed"] + st["skipped_total"]
     with pytest.raises(ValueError) as e:
         build_cache(d, "train", tmp_path / "c2", 1024, 8, show_progress=False, strict=True)
     assert f"row {kinds['placeholder_mismatch']}:" in str(e.value)
