@@ -424,3 +424,20 @@ def test_fast_path_equals_the_template_on_random_conversations(proc):
             assert torch.equal(torch.where(torch.from_numpy(e.target), ids, -100), want)
 
     run()
+
+
+def test_hub_source_keeps_image_lists_undecoded(tmp_path):
+    """A ``datasets`` dataset (what a hub name loads; here a local directory) with a
+    ``Sequence(Image())`` column yields raw ``{bytes, path}`` cells, not PIL images."""
+    from torchtitan_ext.vl.sample_chat import make_chat_sample
+    from torchtitan_ext.vl.sources import HubSource, Rows
+
+    d = make_chat_sample(tmp_path / "d", n=6)
+    src = HubSource(str(d), "train")
+    rows = Rows(src, L.choose_layout(src.column_names, src.where))
+    raw = rows.read(0, 3)
+    assert rows.layout.name == "messages"
+    cells = [c for r in raw for c in r["images"]]
+    assert cells and all(isinstance(c, dict) and c["bytes"] for c in cells)
+    sample = rows.parse(raw[2])
+    assert len(sample.images) == 3 and sample.messages[0]["role"] == "system"
