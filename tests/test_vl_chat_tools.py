@@ -94,7 +94,7 @@ def test_loader_reads_a_chat_layout_by_name(env, tmp_path):
     assert json.loads((kdir / "metadata.json").read_text())["layout"]["layout"] == "llava"
 
 
-def test_render_shows_images_turns_and_loss(env, tmp_path):
+def test_render_shows_images_turns_and_loss(env, tmp_path, capsys):
     from torchtitan_ext.vl import inspect as I
     from torchtitan_ext.vl.build import build_cache
     from torchtitan_ext.vl.cache import VLCache
@@ -116,6 +116,9 @@ def test_render_shows_images_turns_and_loss(env, tmp_path):
     assert [t.images for t in turns] == [0, 3, 0]
     assert turns[0].loss_tokens == turns[1].loss_tokens == 0 < turns[2].loss_tokens
     out = tmp_path / "p.png"
+    assert I.main(["--cache-dir", str(k)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("row layout"))
+    assert line.endswith("messages (messages=messages, image=images)")
     assert I.main(["--cache-dir", str(k), "--render", str(i), str(out)]) == 0
     px = np.asarray(Image.open(out).convert("RGB")).reshape(-1, 3)
     colours = {tuple(c) for c in np.unique(px, axis=0)}
