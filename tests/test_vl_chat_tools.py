@@ -118,7 +118,7 @@ def test_render_shows_images_turns_and_loss(env, tmp_path, capsys):
     out = tmp_path / "p.png"
     assert I.main(["--cache-dir", str(k)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("row layout"))
-    assert line.endswith("messages (messages=messages, image=images)")
+    assert line.endswith("messages (image=images, messages=messages)")
     assert I.main(["--cache-dir", str(k), "--render", str(i), str(out)]) == 0
     px = np.asarray(Image.open(out).convert("RGB")).reshape(-1, 3)
     colours = {tuple(c) for c in np.unique(px, axis=0)}
