@@ -59,11 +59,13 @@ class ModelSection:
     """Which torchtitan model config the job starts from (the 'defaults' layer)."""
 
     module: str = "llama3"
-    """torchtitan model module whose ``config_registry`` holds the config function
-    (a short name such as ``llama3`` or a dotted module path)."""
+    """torchtitan model module whose ``config_registry`` holds the config function: a short
+    name of torchtitan's (``llama3``, ``qwen3_5``) or of ours (``qwen3_vl``, in
+    ``torchtitan_ext.models``), or a dotted module path."""
 
-    config: str = "llama3_debugmodel"
-    """Name of the config function in that registry, e.g. ``llama3_debugmodel``."""
+    config: str | None = None
+    """Name of the config function in that registry, e.g. ``llama3_debugmodel``; None:
+    ``<module>_debugmodel``."""
 
     flavor: str | None = None
     """Model flavor to build instead of the config function's (e.g. ``debugmodel``, ``8B``);
@@ -429,6 +431,8 @@ def base_config(model: ModelSection) -> Trainer.Config:
     candidates = (
         [f"torchtitan.models.{mod_name}.config_registry"]
         if mod_name in _supported_models
+        else [f"{_OUR_MODELS}.{mod_name}.config_registry"]
+        if _is_our_model(mod_name)
         else [f"{mod_name}.config_registry", mod_name]
     )
     module = None
@@ -441,7 +445,8 @@ def base_config(model: ModelSection) -> Trainer.Config:
             errors.append(f"{cand}: {e}")
     if module is None:
         raise ConfigError(f"[model] module {mod_name!r}: cannot import ({'; '.join(errors)})")
-    fn = getattr(module, model.config, None)
+    config_name = model.config or f"{mod_name.rsplit('.', 1)[-1]}_debugmodel"
+    fn = getattr(module, config_name, None)
     if not callable(fn):
         avail = [
             n
@@ -449,7 +454,7 @@ def base_config(model: ModelSection) -> Trainer.Config:
             if not n.startswith("_") and callable(getattr(module, n)) and n[0].islower()
         ]
         raise ConfigError(
-            f"[model] config {model.config!r} not found in {module.__name__}; available: {avail}"
+            f"[model] config {config_name!r} not found in {module.__name__}; available: {avail}"
         )
     cfg = fn()
     if model.flavor is not None or model.attn_backend is not None:
@@ -467,12 +472,40 @@ def base_config(model: ModelSection) -> Trainer.Config:
     return cfg
 
 
+_OUR_MODELS = "torchtitan_ext.models"
+
+
+def _is_our_model(name: str) -> bool:
+    """A short name of a model package in ``torchtitan_ext.models`` (e.g. ``qwen3_vl``)."""
+    import importlib.util
+
+    return "." not in name and importlib.util.find_spec(f"{_OUR_MODELS}.{name}") is not None
+
+
+def model_checks(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
+    """The model module's own checks of the whole job, before anything is built: a package of
+    ``torchtitan_ext.models`` may define ``validate_job(cfg, file)`` raising ConfigError. A VL
+    ``batch_format`` named after one of those modules feeds that module only."""
+    name = cfg.model.module
+    fmt = getattr(cfg.dataloader, "batch_format", None)
+    if isinstance(fmt, str) and fmt != name and _is_our_model(fmt):
+        raise ConfigError(
+            f"{file}: [dataloader] batch_format = {fmt!r} is the input of [model] module "
+            f"{fmt!r}, not of {name!r}"
+        )
+    if _is_our_model(name):
+        importlib.import_module(f"{_OUR_MODELS}.{name}.validate").validate_job(cfg, file)
+
+
 def _sync_vocab(cfg: Any) -> None:
     """Keep the loss's global vocab size in step with a re-flavoured model."""
     try:
         from torchtitan.models.common.config_utils import decoder_vocab_size
+        from torchtitan.models.common.decoder import Decoder
 
         loss_fn = getattr(cfg.loss, "loss_fn", None)
+        if not isinstance(cfg.model_spec.model, Decoder.Config):
+            return  # e.g. qwen3_vl: its loss needs no vocab size (no tensor parallelism)
         if loss_fn is not None and hasattr(loss_fn, "global_vocab_size"):
             loss_fn.global_vocab_size = decoder_vocab_size(cfg.model_spec)
     except ImportError:  # older/newer layouts: nothing to keep in sync
@@ -597,6 +630,7 @@ def finalize(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
     apply_sections(cfg, file)
     check_consistency(cfg, file)
     resolve_paths(cfg)
+    model_checks(cfg, file)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 from torchtitan.components.dataloader import BaseDataLoader
 
-from torchtitan_ext.vl.collate import PackCollator, PixelNorm, finish_on_device
+from torchtitan_ext.vl.collate import BATCH_FORMATS, PackCollator, PixelNorm, finish_on_device
 from torchtitan_ext.vl.dataset import CachedVLDataset, advance
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,9 @@ class CachedVLDataLoader(BaseDataLoader):
 
         batch_format: str = "torchtitan"
         """"torchtitan": ``(input_dict, labels)`` with MultiModalCollator keys (labels shifted);
-        "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...)."""
+        "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...);
+        "qwen3_vl": ``(input_dict, labels)`` for the ``qwen3_vl`` model module (the "hf" tensors
+        under torchtitan's names, labels shifted)."""
 
         normalize_on: str = "collate"
         """"collate": float pixel_values built on the CPU; "device": pixel_values stay uint8 and are
@@ -168,9 +170,9 @@ class CachedVLDataLoader(BaseDataLoader):
         if kwargs:
             logger.debug("CachedVLDataLoader ignores build kwargs %s", sorted(kwargs))
         cfg = config
-        if cfg.batch_format not in ("torchtitan", "hf"):
+        if cfg.batch_format not in BATCH_FORMATS:
             raise ValueError(
-                f"dataloader.batch_format must be 'torchtitan' or 'hf', got {cfg.batch_format!r}"
+                f"dataloader.batch_format must be one of {BATCH_FORMATS}, got {cfg.batch_format!r}"
             )
         if cfg.normalize_on not in ("collate", "device"):
             raise ValueError(
@@ -221,7 +223,14 @@ class CachedVLDataLoader(BaseDataLoader):
             norm=self.pixel_norm,
             normalize_on=cfg.normalize_on,  # type: ignore[arg-type]
         )
-        self._stats = {"batches": 0, "packs": 0, "tokens": 0, "pad_tokens": 0, "images": 0}
+        self._stats = {
+            "batches": 0,
+            "packs": 0,
+            "tokens": 0,
+            "pad_tokens": 0,
+            "images": 0,
+            "patches": 0,
+        }
         self._wait_s = 0.0
         self._last_wait_s = 0.0
         self._reset_position()
@@ -386,7 +395,8 @@ class CachedVLDataLoader(BaseDataLoader):
     def _account(self, batch: Any) -> None:
         if isinstance(batch, tuple):
             inp, labels = batch
-            tokens, grid = inp["input"], inp.get("grid_thw")
+            tokens = inp["input"]
+            grid = inp.get("grid_thw", inp.get("image_grid_thw"))
         else:
             tokens, labels, grid = batch["input_ids"], batch["labels"], batch.get("image_grid_thw")
         n = int(tokens.shape[0])
@@ -397,7 +407,9 @@ class CachedVLDataLoader(BaseDataLoader):
         pad = int((tokens == self.collate.pad_id).sum())
         s["tokens"] += int(tokens.numel()) - pad
         s["pad_tokens"] += pad
-        s["images"] += 0 if grid is None else int(grid.shape[0])
+        if grid is not None:
+            s["images"] += int(grid.shape[0])
+            s["patches"] += int(grid.prod(dim=-1).sum())
         del labels
 
     def finish_on_device(self, batch: Any) -> Any:
@@ -462,6 +474,7 @@ class CachedVLDataLoader(BaseDataLoader):
             "tokens": float(s["tokens"]),
             "pad_pct": 100.0 * s["pad_tokens"] / total if total else 0.0,
             "images": float(s["images"]),
+            "patches": float(s["patches"]),
             "consumer_wait_ms": 1e3 * self._wait_s,
             "wait_ms_last": 1e3 * self._last_wait_s,
             "epoch": float(g["epoch"]),
