@@ -79,7 +79,9 @@ def qwen3_vl_debugmodel_moe() -> Trainer.Config:
 
 
 def _gpu(flavor: str, lr: float) -> Trainer.Config:
-    return Trainer.Config(
+    from torchtitan_ext.config import ExtTrainer, StagingSection
+
+    return ExtTrainer.Config(
         model_spec=model_registry(flavor),
         hf_assets_path="/path/to/hf/Qwen3-VL",  # set in the TOML: weights + tokenizer + processor
         # Chunked lm_head + cross-entropy: a 8192 x 151936 logits tensor is never materialised.
@@ -114,6 +116,8 @@ def _gpu(flavor: str, lr: float) -> Trainer.Config:
         ),
         activation_checkpoint=SelectiveAC.Config(),
         validator=Validator.Config(enable=False),
+        # pinned buffers + copy stream; the uint8 pixels are normalised on the GPU
+        staging=StagingSection(enable=True),
     )
 
 

@@ -183,13 +183,10 @@ def is_moe(flavor_config: dict[str, Any]) -> bool:
 
 
 def flavor_config(flavor: str) -> dict[str, Any]:
-    """A deep copy of the flavor's HF config kwargs; KeyError names the known flavors."""
-    try:
-        return copy.deepcopy(FLAVORS[flavor])
-    except KeyError:
-        raise KeyError(
-            f"unknown qwen3_vl flavor {flavor!r}; known flavors: {', '.join(FLAVORS)}"
-        ) from None
+    """A deep copy of the flavor's HF config kwargs; ValueError names the known flavors."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown qwen3_vl flavor {flavor!r}; known flavors: {', '.join(FLAVORS)}")
+    return copy.deepcopy(FLAVORS[flavor])
 
 
 def build_hf_config(flavor_cfg: dict[str, Any], attn_implementation: str = "sdpa") -> Any:

@@ -3,6 +3,7 @@
 Each failure is one :class:`~torchtitan_ext.config.ConfigError` naming the file and the key to
 change; none of them needs the model, the cache's data or a process group:
 
+- **hf_assets_path** must be a directory;
 - **parallelism**: data parallelism only (FSDP on the ``partial_dtensor`` backend);
 - **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``;
 - **processor**: the tokenizer and image processor come from ``hf_assets_path`` (the model's
@@ -51,6 +52,11 @@ def validate_job(cfg: Any, file: str = "<config>") -> None:
 
     hf_config = cfg.model_spec.model.hf_config
     flavor = cfg.model_spec.flavor
+    if not Path(cfg.hf_assets_path).is_dir():
+        raise fail(
+            f"hf_assets_path {cfg.hf_assets_path!r} is not a directory (the model's Hugging Face "
+            "directory: config.json, *.safetensors, tokenizer and preprocessor_config.json)"
+        )
     _check_parallelism(cfg.parallelism, fail)
     loaders = [("dataloader", cfg.dataloader)]
     if cfg.validator.enable:
