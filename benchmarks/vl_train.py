@@ -19,7 +19,8 @@ The modes run one after the other in ``rounds`` alternating rounds (a fresh proc
 change of the machine's load hits all of them; ratios compare medians of the same run. Options
 (``--set key=value``): ``rows`` (sample rows, default 300, quick 48), ``steps`` (timed steps per
 round, default 8, quick 4), ``warmup`` (untimed steps, default 3, quick 2), ``rounds`` (default
-3, quick 1).
+3, quick 1), ``threads`` (torch intra-op threads per process, default 1: with one per core the
+steps of every mode swung 3-10x on the loaded 2-core box).
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def run(args: BenchArgs) -> list[Row]:
         PYTHONPATH=str(REPO),
         TORCHTITAN_EXT_CACHE=os.environ.get("TORCHTITAN_EXT_CACHE", str(work / "home")),
         TOKENIZERS_PARALLELISM="false",
+        # One intra-op thread per process: with torch's default (one per core) the step time
+        # of every mode swung 3-10x on the shared 2-core box (threads spinning on busy cores),
+        # swamping the data path under test. Options: ``threads``.
+        OMP_NUM_THREADS=args.extra.get("threads", "1"),
     )
     common = ["--dataloader.max_samples", str(n_rows), "--checkpoint.no-enable"]
     common += ["--dataloader.cache_dir", str(work / "cache"), "--dump_folder", str(work / "out")]

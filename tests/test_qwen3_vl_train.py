@@ -77,6 +77,40 @@ def test_tiny_config_trains_on_cpu_and_the_loss_falls(shared, tmp_path):
     assert re.search(r"images/step: [1-9]", line) and re.search(r"patches/step: [1-9]", line)
 
 
+@pytest.fixture(scope="module")
+def reference_losses(shared, tmp_path_factory) -> dict[int, str]:
+    """3 steps of the tiny config, plain: the reference for the switches below."""
+    return run(shared, SWITCH_ARGS + ["--dump_folder", str(tmp_path_factory.mktemp("ref"))])[1]
+
+
+SWITCH_ARGS = ["--training.steps", "3", "--dataloader.max_samples", "24", "--checkpoint.no-enable"]
+
+
+@pytest.mark.parametrize(
+    "switch, exact",
+    [
+        (["activation-checkpoint:full"], True),
+        (["activation-checkpoint:selective"], True),
+        (["--staging.enable", "--dataloader.normalize_on", "device"], True),
+        (["--compile.enable", "--compile.backend", "aot_eager"], False),
+    ],
+    ids=["full-ac", "selective-ac", "staging-device-normalisation", "compile-per-block"],
+)
+def test_switches_keep_the_losses(shared, tmp_path, reference_losses, switch, exact):
+    """Activation checkpointing (torchtitan's policies on every decoder layer and vision block),
+    async staging with pixels normalised after the copy, and per-block torch.compile (the CPU
+    aot_eager backend: the wiring, not inductor's kernels) train the same model on the same
+    batches: the losses equal the plain run's (compile: to 1e-4)."""
+    text, losses = run(shared, SWITCH_ARGS + ["--dump_folder", str(tmp_path)] + switch)
+    assert sorted(losses) == [1, 2, 3]
+    if exact:
+        assert losses == reference_losses
+    else:
+        assert "Compiling" in text or "compile" in text.lower()
+        for k in (1, 2, 3):
+            assert float(losses[k]) == pytest.approx(float(reference_losses[k]), rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "nproc, flavor",
     [(1, "debugmodel"), (1, "debugmodel_moe"), (2, "debugmodel"), (2, "debugmodel_moe")],

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools.logging import logger
 
 from torchtitan_ext.models.qwen3_vl.model import Qwen3VLModel
 
@@ -58,6 +59,7 @@ def parallelize_qwen3_vl(
         for blocks in block_lists:
             for block in blocks:
                 block.compile(backend=compile_config.backend, fullgraph=False)
+        logger.info("qwen3_vl: compiled each decoder layer and vision block with torch.compile")
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     apply_fsdp(
         model,

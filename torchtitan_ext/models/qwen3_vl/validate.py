@@ -206,8 +206,14 @@ def _check_weights(cfg: Any, flavor: str, fail: Any) -> None:
     if (assets / "config.json").is_file():
         from transformers import AutoConfig
 
-        found = AutoConfig.from_pretrained(str(assets), local_files_only=True)
-        bad = architecture_mismatches(build_hf_config(flavor_config(flavor)), found)
+        try:
+            found = AutoConfig.from_pretrained(str(assets), local_files_only=True)
+            bad = architecture_mismatches(build_hf_config(flavor_config(flavor)), found)
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise fail(
+                f"hf_assets_path {str(assets)!r}: config.json is not a Qwen3-VL config "
+                f"({type(e).__name__}: {e})"
+            ) from None
         if bad:
             raise fail(
                 f"[model] flavor {flavor!r} does not match hf_assets_path {str(assets)!r} "
