@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, step_losses, torchrun
 
 pytestmark = pytest.mark.integration
 TINY = REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +51,7 @@ def run(
     out = subprocess.run(
         cmd + common + args, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
     )
-    text = ANSI.sub("", out.stdout + out.stderr)
-    assert out.returncode == 0, text[-4000:]
-    losses: dict[int, str] = {}
-    for m in STEP.finditer(text):
-        losses.setdefault(int(m.group(1)), m.group(2))
-    return text, losses
+    return step_losses(out)
 
 
 def test_tiny_config_trains_on_cpu_and_the_loss_falls(shared, tmp_path):
