@@ -1,4 +1,4 @@
-"""Qwen3-VL offline preprocessing: per image vs HF Qwen3VLProcessor, per pack vs the seed, bytes vs float32, cache open time per layout."""
+"""Qwen3-VL offline preprocessing: per image vs HF Qwen3VLProcessor, per pack vs the seed, bytes vs float32 (open time: vl_dataset)."""
 
 from __future__ import annotations
 
@@ -106,100 +106,8 @@ def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
     return out
 
 
-def _fake_results(n_packs: int, per_pack: int, pad_id: int):
-    """Tiny synthetic samples for the layout benchmark (8 tokens, 1 image of 4 patches each)."""
-    rng = np.random.default_rng(0)
-    res = []
-    for k in range(n_packs * per_pack):
-        ids = np.array([1, 2, pad_id, 3, 4, 5, 6, 7], dtype=np.int32)
-        mask = np.array([0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
-        pix = rng.integers(0, 256, (4, 768), dtype=np.uint8)
-        res.append((k, (ids, mask, pix, np.array([[1, 2, 2]], dtype=np.int32))))
-    return res
-
-
-def _layout_rows(args: BenchArgs, tmp: Path, special: dict) -> list[Row]:
-    """Open time of an n-pack cache: per shard of packs (ours) vs one TensorDict per pack."""
-    from tensordict import TensorDict
-
-    from torchtitan_ext.vl import cache as C
-
-    n_packs = 500 if args.quick else 10_000
-    shard_packs = 1000
-    per_pack = 2
-    # ours: shards of 1000 packs (seq_len 16 and 8-token samples -> 2 samples per pack)
-    ours = tmp / "layout_shard"
-    shards = []
-    for s in range(0, n_packs, shard_packs):
-        k = min(shard_packs, n_packs - s)
-        name = f"{s // shard_packs:05d}"
-        st = C._write_shard(
-            ours / "shards" / name, _fake_results(k, per_pack, special["image_pad_id"]), 16, 2, [16]
-        )
-        shards.append({"name": name, "packs": st["packs"]})
-    meta = {
-        "format": C.FORMAT_NAME,
-        "format_version": C.FORMAT_VERSION,
-        "special_tokens": special,
-        "image_params": {"merge_size": 2, "patch_size": 16},
-        "shards": shards,
-        "files": {},
-    }
-    (ours / "metadata.json").write_text(json.dumps(meta))
-    # seed-like: one TensorDict memmap directory per pack
-    per = tmp / "layout_pack"
-    fr = _fake_results(n_packs, per_pack, special["image_pad_id"])
-    for j in range(n_packs):
-        a = fr[j * per_pack : (j + 1) * per_pack]
-        TensorDict(
-            {
-                "input_ids": torch.from_numpy(
-                    np.concatenate([x[1][0] for x in a]).astype(np.int64)
-                ),
-                "labels": torch.from_numpy(np.concatenate([x[1][1] for x in a]).astype(np.int64)),
-                "pixel_u8": torch.from_numpy(np.concatenate([x[1][2] for x in a])),
-                "image_grid_thw": torch.from_numpy(np.concatenate([x[1][3] for x in a])),
-            },
-            batch_size=[],
-        ).memmap_(str(per / f"pack_{j:06d}"))
-
-    def open_ours():
-        c = C.VLCache.open(ours)
-        assert len(c) == n_packs
-
-    def open_per_pack():
-        tds = [TensorDict.load_memmap(str(p)) for p in sorted(per.iterdir())]
-        assert len(tds) == n_packs
-
-    t_o, s_o = median_time(open_ours, max(3, args.repeats), 1)
-    t_p, s_p = median_time(open_per_pack, max(1, min(3, args.repeats)), 1)
-    files_ours = sum(1 for _ in ours.rglob("*") if _.is_file())
-    files_per = sum(1 for _ in per.rglob("*") if _.is_file())
-    rows = [
-        Row(
-            f"open {n_packs}-pack cache, per-shard layout (ours)",
-            t_o,
-            "s",
-            higher_is_better=False,
-            samples=s_o,
-            info={"files": files_ours},
-            target="< 1 s",
-            met=t_o < 1.0,
-        ),
-        Row(
-            f"open {n_packs}-pack cache, one TensorDict per pack",
-            t_p,
-            "s",
-            higher_is_better=False,
-            samples=s_p,
-            info={"files": files_per},
-        ),
-    ]
-    compare(rows, rows[0].case, rows[1].case)
-    return rows
-
-
 def run(args: BenchArgs) -> list[Row]:
+    from torchtitan_ext.vl import build as B
     from torchtitan_ext.vl import cache as C
     from torchtitan_ext.vl import processor as P
     from torchtitan_ext.vl.inspect import float32_bytes
@@ -227,7 +135,7 @@ def run(args: BenchArgs) -> list[Row]:
         def build(n_rows: int, tag: str) -> tuple[float, Path]:
             shutil.rmtree(tmp / tag, ignore_errors=True)
             t0 = time.perf_counter()
-            k = C.build_cache(
+            k = B.build_cache(
                 dataset=coco,
                 split="train",
                 cache_dir=tmp / tag,
@@ -341,8 +249,7 @@ def run(args: BenchArgs) -> list[Row]:
                 )
             )
 
-        # 5) layout choice: open time per shard vs per pack
-        rows += _layout_rows(args, tmp, P.special_token_ids(proc))
+        # (open time at realistic shapes, and against one TensorDict per pack: vl_dataset.py)
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,19 +34,11 @@ from torchtitan_ext.vl.collate import IGNORE_INDEX, collate_hf, collate_qwen3_vl
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A private asset root (offline processor, sample set) and a small cache at seq 1024."""
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("qwen3_vl_model")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
-    from torchtitan_ext.vl.cache import VLCache, build_cache
-    from torchtitan_ext.vl.sample_data import sample_dataset_path
+    from tests.support.vl_sample import sample_cache
+    from torchtitan_ext.vl.cache import VLCache
 
-    data = sample_dataset_path(n=24, root=root / "data")
-    cache = build_cache(
-        data, "train", root / "cache", seq_len=1024, buffer_size=8, buckets=[512, 768],
-        max_samples=24, show_progress=False,
-    )  # fmt: skip
-    yield {"root": root, "cache": Path(cache), "vl": VLCache.open(cache)}
-    mp.undo()
+    with sample_cache(tmp_path_factory, "qwen3_vl_model") as s:
+        yield {"root": s["root"], "cache": Path(s["path"]), "vl": VLCache.open(s["path"])}
 
 
 def job(tmp_path: Path, body: str = "", assets: Path | None = None, **model: str) -> Path:
@@ -259,9 +251,8 @@ def _copy_cache(env, tmp_path: Path, **special: int) -> Path:
 def test_cache_tokens_must_fit_the_model(tmp_path, env):
     cache = _copy_cache(env, tmp_path, image_pad_id=700)
     body = LOADER + f'cache_path = "{cache}"\n[training]\nseq_len = 1024\n'
-    with pytest.raises(ConfigError, match=r"cache_path .* image_token_id 572 != <\|image_pad\|> "
-                       r"id 700; token ids \{'image_pad_id': 700\} >= the model's vocab_size "
-                       r"640"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"cache_path .* image_id cache=700 model=572.*; token "
+                       r"ids \{'image_pad_id': 700\} >= the model's vocab_size 640"):  # fmt: skip
         load_config(job(tmp_path, body))
     ok = LOADER + f'cache_path = "{env["cache"]}"\n[training]\nseq_len = 1024\n'
     load_config(job(tmp_path, ok))

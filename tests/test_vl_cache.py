@@ -18,8 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchtitan_ext.vl import build as B
 from torchtitan_ext.vl import cache as C
 from torchtitan_ext.vl import processor as P
+from torchtitan_ext.vl import sources as S
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
 from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
 
@@ -54,7 +56,7 @@ def _build(env, cache_dir, **kw):
         buckets=[512, 768],
     )
     args.update(kw)
-    return C.build_cache(**args)
+    return B.build_cache(**args)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_packing_rejects_overlong_and_buckets():
 def test_pack_content_matches_direct_processing(env, built):
     cache = C.VLCache.open(built)
     proc = P.load_processor(None)
-    src = C.open_source(env["ds"], "train")
+    src = S.open_source(env["ds"], "train")
     ids = cache.special_tokens
     assert ids == P.special_token_ids(proc)
     n_samples = 0
@@ -165,19 +167,19 @@ def test_strict_names_the_row(env):
 
 def test_key_find_and_force(env, built):
     assert (
-        C.find_cache(
+        B.find_cache(
             env["ds"], "train", env["root"] / "c1", SEQ, 8, buckets=[512, 768], rows_per_shard=16
         )
         == built
     )
     assert (
-        C.find_cache(
+        B.find_cache(
             env["ds"], "train", env["root"] / "c1", SEQ, 8, buckets=None, rows_per_shard=16
         )
         is None
     )  # other buckets -> other key
     assert (
-        C.find_cache(
+        B.find_cache(
             env["ds"], "train", env["root"] / "c1", 2048, 8, buckets=[512, 768], rows_per_shard=16
         )
         is None
@@ -210,13 +212,13 @@ def test_verify_names_corrupt_file(env, tmp_path):
     assert len(probs) == 1 and "shards/00000/pixels.memmap" in probs[0] and "sha256" in probs[0]
     tok = k / "shards" / "00001" / "tokens.memmap"
     tok.write_bytes(tok.read_bytes()[:-4])
-    probs = C.VLCache.open(k).verify()
+    probs = C.verify_cache(k)  # a truncated file is an error at open: verify_cache reports it
     assert any("shards/00001/tokens.memmap" in p and "size" in p for p in probs)
 
 
 def test_lock_keeps_second_writer_off(env, tmp_path):
-    src, _, key = C._resolve(
-        C.BuildConfig(
+    src, _, key = B._resolve(
+        B.BuildConfig(
             dataset=str(env["ds"]),
             seq_len=SEQ,
             buffer_size=8,
@@ -225,11 +227,11 @@ def test_lock_keeps_second_writer_off(env, tmp_path):
             rows_per_shard=16,
         )
     )
-    name = C.key_dir_name(
-        C.BuildConfig(dataset=str(env["ds"]), seq_len=SEQ, buffer_size=8), src.name, key
+    name = B.key_dir_name(
+        B.BuildConfig(dataset=str(env["ds"]), seq_len=SEQ, buffer_size=8), src.name, key
     )
     lock = tmp_path / f".{name}.rank0of1.lock"
-    with C._flock(lock, False, "test"), pytest.raises(C.CacheLockedError, match="lock"):
+    with B._flock(lock, False, "test"), pytest.raises(B.CacheLockedError, match="lock"):
         _build(env, tmp_path, max_samples=20)
     _build(env, tmp_path, max_samples=20)  # released: builds
 
@@ -301,7 +303,7 @@ def test_sigkill_resume_is_byte_identical(env, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     assert {n: (shards_dir / n / "tokens.memmap").stat().st_ino for n in done_before} == inode
     assert not [p for p in shards_dir.iterdir() if p.name.startswith(".tmp")]
-    clean = C.build_cache(
+    clean = B.build_cache(
         dataset=env["ds"],
         split="train",
         cache_dir=tmp_path / "clean",
@@ -348,21 +350,21 @@ def test_position_ids_padding_and_first_label(built):
 def test_rank_world_from_env(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert C._dist_env(None, None) == (1, 3)
-    assert C._dist_env(0, 1) == (0, 1)  # explicit arguments win
+    assert B._dist_env(None, None) == (1, 3)
+    assert B._dist_env(0, 1) == (0, 1)  # explicit arguments win
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(ValueError, match="RANK"):
-        C._dist_env(None, None)
+        B._dist_env(None, None)
 
 
 def test_local_split_selection(env, tmp_path):
-    assert C.open_source(env["ds"], "train").num_rows == 49
+    assert S.open_source(env["ds"], "train").num_rows == 49
     with pytest.raises(FileNotFoundError, match=r"split 'validation' \(splits here: \['train'\]\)"):
-        C.open_source(env["ds"], "validation")
-    glob_src = C.open_source(str(env["ds"] / "*.parquet"), "anything")  # a glob: used as given
+        S.open_source(env["ds"], "validation")
+    glob_src = S.open_source(str(env["ds"] / "*.parquet"), "anything")  # a glob: used as given
     assert glob_src.num_rows == 49
     with pytest.raises(FileNotFoundError, match="no such local path"):
-        C.open_source(str(tmp_path / "missing"), "train")
+        S.open_source(str(tmp_path / "missing"), "train")
 
 
 @pytest.mark.integration

@@ -273,7 +273,12 @@ def test_collate_formats_on_fake_packs():
     assert inp["input"].shape == labels.shape == (2, 12)
     assert torch.equal(labels[:, :-1], hf["labels"][:, 1:]) and (labels[:, -1] == -100).all()
     assert inp["mrope_positions"].shape == (2, 12, 3)
-    assert torch.equal(inp["mrope_positions"].permute(2, 0, 1), hf["position_ids"][1:])
+    mrope = inp["mrope_positions"].permute(2, 0, 1)
+    assert torch.equal(mrope[:, 0, :6], hf["position_ids"][1:, 0, :6])  # real tokens: the cache's
+    assert torch.equal(mrope[:, 1, :10], hf["position_ids"][1:, 1, :10])
+    # padding (2 + 4 rows in pack 0, 2 in pack 1) numbered 0, 1, ... like MultiModalCollator
+    assert torch.equal(mrope[:, 0, 6:], torch.arange(6).expand(3, 6))
+    assert torch.equal(mrope[:, 1, 10:], torch.arange(2).expand(3, 2))
     assert torch.equal(inp["positions"], hf["position_ids"][0])
     assert inp["pixel_values"].shape == (2, 4, 1536)
     assert torch.equal(inp["pixel_values"].reshape(-1, 1536), hf["pixel_values"])

@@ -16,6 +16,8 @@ from torchtitan_ext.loaders.vl import CachedVLDataLoader, OnlinePreprocessingWar
 from torchtitan_ext.vl.collate import finish_on_device
 from torchtitan_ext.vl.dataset import epoch_permutation
 
+from .support.vl_sample import sample_cache
+
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 1024
 BUCKETS = [512, 768]
@@ -23,19 +25,8 @@ BUCKETS = [512, 768]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("vl_loader")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
-    from torchtitan_ext.vl.cache import build_cache
-    from torchtitan_ext.vl.sample_data import sample_dataset_path
-
-    data = sample_dataset_path(n=48, root=root / "data")
-    cache_dir = root / "cache"
-    path = build_cache(
-        data, "train", cache_dir, seq_len=SEQ, buffer_size=8, buckets=BUCKETS, show_progress=False
-    )
-    yield {"root": root, "data": data, "cache_dir": cache_dir, "path": path}
-    mp.undo()
+    with sample_cache(tmp_path_factory, "vl_loader", n=48, seq_len=SEQ, buckets=BUCKETS) as env:
+        yield env
 
 
 def make(env, dp_rank=0, dp_world_size=1, batch=2, **cfg):
@@ -229,7 +220,7 @@ def test_online_resume_exact_and_equal_steps(env):
 
 
 def test_build_if_missing_and_force(env, tmp_path, monkeypatch):
-    import torchtitan_ext.vl.cache as cache_mod
+    import torchtitan_ext.vl.build as cache_mod
 
     calls = []
     real = cache_mod.build_cache

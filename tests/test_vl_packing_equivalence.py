@@ -18,28 +18,16 @@ transformers = pytest.importorskip("transformers")
 from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan  # noqa: E402
 from torchtitan_ext.vl.dataset import CachedVLDataset  # noqa: E402
 
+from .support.vl_sample import sample_cache  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("vl_eq")
-    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "home"))
-    from torchtitan_ext.vl.cache import VLCache, build_cache
+    from torchtitan_ext.vl.cache import VLCache
     from torchtitan_ext.vl.processor import load_processor
-    from torchtitan_ext.vl.sample_data import sample_dataset_path
 
-    data = sample_dataset_path(n=24, root=root / "data")
-    path = build_cache(
-        data,
-        "train",
-        root / "cache",
-        seq_len=1024,
-        buffer_size=8,
-        buckets=[512, 768],
-        show_progress=False,
-    )
-    yield {"cache": VLCache.open(path), "path": path, "data": data, "proc": load_processor(None)}
-    mp.undo()
+    with sample_cache(tmp_path_factory, "vl_eq") as env:
+        yield {**env, "cache": VLCache.open(env["path"]), "proc": load_processor(None)}
 
 
 def tiny_model(special: dict[str, int], vocab: int) -> torch.nn.Module:

@@ -128,7 +128,7 @@ def test_inspect_verify_names_corrupt_file(env, tmp_path, capsys):
     b = bytearray(f.read_bytes())
     b[0] ^= 1
     f.write_bytes(bytes(b))
-    assert I.main(["--cache-dir", str(kdir), "--verify"]) == 1
+    assert I.main(["--cache-dir", str(kdir), "--verify"]) == 2  # damage: exit 2, one line
     err = capsys.readouterr().err
     assert "shards/00001/label_mask.memmap" in err and "sha256 mismatch" in err
 
@@ -165,6 +165,25 @@ def test_benchmark_quick_smoke(env):
     names = {r.case for r in rows}
     assert any(n.startswith("per image ours") for n in names)
     assert any("bytes per pack" in n for n in names)
+
+
+@pytest.mark.slow
+def test_benchmark_open_and_workers_smoke(env):
+    from benchmarks.common import BenchArgs
+    from benchmarks.vl_build_workers import run as run_workers
+    from benchmarks.vl_dataset import run as run_dataset
+
+    extra = {"cases": "open", "open_sizes": "100"}
+    rows = {r.case: r for r in run_dataset(BenchArgs(repeats=1, warmup=0, quick=True, extra=extra))}
+    ours = rows["open 100 packs ours (VLCache.open)"]
+    assert ours.baseline == "baseline: open 100 packs, previous open path"
+    assert 40 <= ours.info["packs_per_shard"] <= 48  # 8k-token packs, 1,024 rows per shard
+    extra = {"workers": "0,1", "rows": "24"}
+    rows = run_workers(BenchArgs(repeats=1, warmup=0, quick=True, extra=extra))
+    assert [r.case for r in rows] == [
+        "build s/pack, 0 workers (in process)",
+        "build s/pack, 1 workers",
+    ]
 
 
 def test_render_unpatchify_inverts_patchify():

@@ -29,6 +29,15 @@ What each shim does (in the order the failures appear on a CPU box):
    (``distributed/fsdp.py:27``), so we force plain SUM reductions
    (``FSDPModule.set_force_sum_reduction_for_comms``), which is numerically the same thing.
 6. ``training.disable_cuda_graphs`` is forced on (CUDA graphs need CUDA).
+7. ``torchtitan/models/qwen3_5/model.py:15-21`` imports flash-linear-attention (``fla``: Triton
+   kernels, GPU only) and ``hf_datasets/multimodal/utils/image.py:20-22`` (reached from the
+   ``qwen3_5`` config registry through ``mm_datasets``) imports torchvision, whose PyPI wheel does
+   not load beside the CPU torch build. Neither is needed to build a ``qwen3_5`` job config, its
+   vision encoder or its image-token merge, so when either is missing the ``qwen3_5`` package is
+   imported once with *import-only* stand-ins for exactly the names those lines import; the
+   stand-ins are taken out of ``sys.modules`` again right after, so a later ``find_spec`` or
+   ``import`` anywhere else sees the truth. Calling one raises (the GatedDeltaNet layers, and
+   torchtitan's own image decoding), naming the missing package.
 """
 
 from __future__ import annotations
@@ -213,6 +222,97 @@ def _patch_fsdp_sum_reduction() -> None:
             mod.disable_fsdp_gradient_division = disable_fsdp_gradient_division
 
 
+# ---------------------------------------------------------------- 7. qwen3_5 without fla/torchvision
+_QWEN3_5 = "torchtitan.models.qwen3_5.config_registry"
+# Module -> the names torchtitan imports from it (model.py:15-21, multimodal/utils/image.py:20-22,
+# utils/video.py:12). Their parents are stubbed too, so `import a.b.c as x` resolves.
+_IMPORT_ONLY: dict[str, tuple[str, ...]] = {
+    "fla.modules.conv.triton.ops": ("CausalConv1dFunction",),
+    "fla.ops.gated_delta_rule": (
+        "chunk_gated_delta_rule",
+        "fused_recurrent_gated_delta_rule",
+    ),
+    "fla.ops.gated_delta_rule.chunk": ("ChunkGatedDeltaRuleFunction",),
+    "fla.ops.gated_delta_rule.fused_recurrent": ("FusedRecurrentFunction",),
+    "torchvision.io": ("decode_image", "ImageReadMode"),
+    "torchvision.transforms.v2.functional": (),
+}
+_WHY = {
+    "fla": "flash-linear-attention (Triton kernels: the qwen3_5 GatedDeltaNet layers need a GPU)",
+    "torchvision": "torchvision (torchtitan's own image decoding; the cached_vl loader does not use it)",
+}
+
+
+def _unavailable(root: str) -> bool:
+    """True when ``root`` cannot be imported here (absent, or present but broken, like PyPI's
+    torchvision beside the CPU torch wheel). A failed import leaves no half-module behind."""
+    if importlib.util.find_spec(root) is None:
+        return True
+    try:
+        importlib.import_module(root)
+        return False
+    except Exception:  # broken install: treat as absent, and forget what it half-imported
+        for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
+            del sys.modules[name]
+        return True
+
+
+def _missing_callable(module: str, item: str) -> type:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{module}.{item} is not available: {_WHY[module.split('.')[0]]} is not installed "
+            "(torchtitan_ext.cpu_compat let the qwen3_5 package import without it)"
+        )
+
+    # A class, so it serves both as a function (calling it raises) and as an autograd.Function
+    # that spmd_types.register_local_autograd_function can register (model.py:53-55).
+    return type(item, (), {"__init__": fail, "apply": staticmethod(fail)})
+
+
+def _import_only_modules(roots: set[str]) -> dict[str, types.ModuleType]:
+    mods: dict[str, types.ModuleType] = {}
+    for dotted, names in _IMPORT_ONLY.items():
+        if dotted.split(".")[0] not in roots:
+            continue
+        parts = dotted.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name not in mods:
+                mod = types.ModuleType(name)
+                mod.__path__ = []  # a package, so submodules resolve
+                mod.__dict__["__cpu_compat_stub__"] = True
+                mods[name] = mod
+                if i > 1:
+                    setattr(mods[".".join(parts[: i - 1])], parts[i - 1], mod)
+        for item in names:
+            setattr(mods[dotted], item, _missing_callable(dotted, item))
+    return mods
+
+
+def _import_qwen3_5() -> None:
+    """Import torchtitan's qwen3_5 package (and its config registry) with stand-ins for fla /
+    torchvision when those are missing; no-op when they import or qwen3_5 is already loaded."""
+    if _QWEN3_5 in sys.modules:
+        return
+    roots = {r for r in ("fla", "torchvision") if _unavailable(r)}
+    if not roots:
+        return
+    # datasets.config probes find_spec("torchvision") at import (mm_datasets imports it): load it
+    # before the stand-ins exist, so it records the truth (and find_spec does not trip on them).
+    import datasets  # noqa: F401
+
+    stubs = _import_only_modules(roots)
+    sys.modules.update(stubs)
+    try:
+        importlib.import_module(_QWEN3_5)
+    except ImportError as e:  # a torchtitan without qwen3_5, or one that imports more: report
+        log.warning("cpu_compat: torchtitan's qwen3_5 package does not import on CPU: %s", e)
+    finally:
+        for name, mod in stubs.items():
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+
+
 def apply() -> bool:
     """Install every import-time shim if CUDA is absent. Idempotent. Returns whether applied."""
     global _applied
@@ -224,6 +324,7 @@ def apply() -> bool:
     _patch_device()
     _patch_set_timeout()
     _patch_fsdp_sum_reduction()
+    _import_qwen3_5()
     _applied = True
     log.info("torchtitan_ext.cpu_compat: CPU shims applied (no CUDA device)")
     return True

@@ -1,14 +1,9 @@
 """torchtitan glue for the offline Qwen3-VL cache: ``[dataloader] name = "cached_vl"``.
 
 ``CachedVLDataLoader.Config(...).build(dp_rank=, dp_world_size=, tokenizer=, seq_len=,
-local_batch_size=)`` (what torchtitan's trainer calls) resolves the data source once:
-
-1. ``force_preprocess`` -> rebuild the cache for the configured key (``vl.cache.build_cache``);
-2. else a complete cache for the key exists and ``use_preprocessed_cache`` -> use it;
-3. else ``build_if_missing`` -> build it now (``build_cache`` splits the shards over the job's
-   ranks via RANK/WORLD_SIZE; every rank returns once the cache is complete);
-4. else fall back to ``vl.online.OnlineVLDataset``, which runs the *same* preprocessing and packing
-   inside the loader, with a loud warning that it is slow.
+local_batch_size=)`` (what torchtitan's trainer calls) maps its Config onto
+``vl.pack_source.open_packs``, which chooses the data source once (an existing cache, a cache
+built now, or the slow online fallback, warned) and opens it for this rank.
 
 Batches come from a ``torch.utils.data.DataLoader`` over ``CachedVLDataset`` (``num_workers``
 processes, each reading a disjoint block-interleaved slice of this rank's packs, in the same order
@@ -25,7 +20,7 @@ load planner refuses keys missing from the checkpoint (rank 1 would ask for ``dp
 ``load_state_dict`` also accepts ``{"dp_rank_{r}": state}`` dicts.
 
 Cost (``python -m benchmarks vl_dataset``, 2-core box): building the loader over an existing
-cache is the cache open (42 ms at 10k packs); per step the training thread pays fetch + collate
+cache is the cache open (24-34 ms at 10k packs of 8k tokens); per step the training thread pays fetch + collate
 (1.7 ms HF / 2.8 ms torchtitan format for an 8k pack with 23 images) with ``num_workers=0``. With
 one worker it only receives the batch through shared memory, measured 2.4-7 ms for ~21 MB: no
 clear gain, so the GPU config keeps ``num_workers=0`` and lets ``AsyncDeviceLoader``'s background
@@ -37,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,16 +40,18 @@ from typing import Any
 from torch.utils.data import DataLoader
 from torchtitan.components.dataloader import BaseDataLoader
 
-from torchtitan_ext.vl.collate import BATCH_FORMATS, PackCollator, PixelNorm, finish_on_device
+from torchtitan_ext.vl.build import BuildConfig
+from torchtitan_ext.vl.collate import (
+    BATCH_FORMATS,
+    PackCollator,
+    PixelNorm,
+    check_special_tokens,
+    finish_on_device,
+)
 from torchtitan_ext.vl.dataset import CachedVLDataset, advance
+from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning, open_packs
 
 logger = logging.getLogger(__name__)
-
-SAMPLE_DATASET = "sample"
-
-
-class OnlinePreprocessingWarning(UserWarning):
-    """The VL loader runs preprocessing inside the training job (no cache): slow."""
 
 
 class CachedVLDataLoader(BaseDataLoader):
@@ -151,6 +147,15 @@ class CachedVLDataLoader(BaseDataLoader):
         strict: bool = False
         """When building a cache: fail on the first bad row instead of counting a skip."""
 
+        exif_transpose: bool = BuildConfig.exif_transpose
+        """Turn photos upright by their EXIF orientation before preprocessing, as HF
+        ``datasets`` does (part of the cache key; ``preprocess-cached --no-exif-transpose``)."""
+
+        fingerprint: str = BuildConfig.fingerprint
+        """How the source files enter the cache key: "full" (every byte, hashed once per file
+        and remembered by size + mtime) or "quick" (size + first/last MiB); must match the
+        ``preprocess-cached --fingerprint`` the cache was built with."""
+
     def __init__(
         self,
         config: Config,
@@ -163,10 +168,11 @@ class CachedVLDataLoader(BaseDataLoader):
         snapshot_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
-        # `tokenizer` is torchtitan's text tokenizer: unused, the cache carries its own special
-        # token ids (from the processor it was built with). `snapshot_every_n_steps` is moot:
-        # the state is computed, not snapshotted. torchtitan main passes extra kwargs: ignored.
-        del tokenizer, snapshot_every_n_steps
+        # `tokenizer` is the trainer's: the cache carries its own special token ids (from the
+        # processor it was built with); a torchtitan MultiModalTokenizer's must equal them
+        # (checked below, before any cache is built). `snapshot_every_n_steps` is moot: the
+        # state is computed, not snapshotted. torchtitan main passes extra kwargs: ignored.
+        del snapshot_every_n_steps
         if kwargs:
             logger.debug("CachedVLDataLoader ignores build kwargs %s", sorted(kwargs))
         cfg = config
@@ -193,27 +199,17 @@ class CachedVLDataLoader(BaseDataLoader):
         self.pack_seq_len = int(pack_len)
 
         t0 = time.perf_counter()
-        path = self._resolve_cache()
-        self.source = "cache" if path is not None else "online"
-        self.cache_path = path
-        if path is not None:
-            self.dataset: Any = CachedVLDataset(
-                path,
-                dp_rank,
-                dp_world_size,
-                infinite=cfg.infinite,
-                seed=cfg.seed,
-                shuffle=cfg.shuffle,
-                remainder=cfg.remainder,  # type: ignore[arg-type]
-                block_size=local_batch_size,
-            )
-            cache = self.dataset.cache
-            special, metadata = dict(cache.special_tokens), dict(cache.metadata)
-            self.num_workers = cfg.num_workers
-        else:
-            self.dataset = self._online_dataset()
-            special, metadata = self.dataset.special_tokens, self.dataset.metadata
-            self.num_workers = 0
+        self._check_model_tokenizer(tokenizer)
+        packs = open_packs(
+            cfg,
+            seq_len=self.pack_seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            block_size=local_batch_size,
+        )
+        self.source, self.cache_path, self.dataset = packs.source, packs.path, packs.dataset
+        special, metadata = packs.special_tokens, packs.metadata
+        self.num_workers = cfg.num_workers if packs.source == "cache" else 0
         self.open_s = time.perf_counter() - t0
         self.pixel_norm = PixelNorm.from_metadata(metadata)
         self.special_tokens = special
@@ -235,116 +231,42 @@ class CachedVLDataLoader(BaseDataLoader):
         self._last_wait_s = 0.0
         self._reset_position()
 
-    # -- source resolution ----------------------------------------------------------------------
-    def _dataset_arg(self) -> str | Path:
-        cfg = self.config
-        if cfg.dataset_path:
-            return cfg.dataset_path
-        if not cfg.dataset:
-            raise ValueError(
-                "dataloader.dataset is required for the cached_vl loader: a local Parquet "
-                "directory, a Hugging Face dataset name or 'sample' (or set dataloader.cache_path)"
-            )
-        if cfg.dataset == SAMPLE_DATASET:
-            from torchtitan_ext.vl.sample_data import sample_dataset_path
-
-            return sample_dataset_path()
-        return cfg.dataset
-
-    def _key_kwargs(self) -> dict[str, Any]:
-        cfg = self.config
-        return {
-            "dataset": self._dataset_arg(),
-            "split": cfg.split,
-            "cache_dir": cfg.cache_dir,
-            "seq_len": self.pack_seq_len,
-            "buffer_size": cfg.buffer_size,
-            "model_path": cfg.model_path,
-            "buckets": cfg.buckets,
-            "max_samples": cfg.max_samples,
-        }
-
-    def _build(self, force: bool) -> Path:
-        from torchtitan_ext.vl.cache import build_cache
-
-        # build_cache is multi-process aware through RANK / WORLD_SIZE (torchrun sets them):
-        # every rank builds its share of shards and all return once the cache is complete.
-        logger.warning(
-            "building the VL cache for %s under %s (the full preprocessing runs now)",
-            self._key_kwargs()["dataset"],
-            self.config.cache_dir,
-        )
-        import torch
-
-        threads = torch.get_num_threads()
-        try:
-            path = build_cache(
-                **self._key_kwargs(),
-                num_workers=self.config.preprocess_workers,
-                strict=self.config.strict,
-                force=force,
-                show_progress=False,
-            )
-        finally:
-            # an in-process build sets torch's intra-op threads to 1 (pool-worker setup); the
-            # training job keeps its own setting
-            torch.set_num_threads(threads)
-        return Path(path)
-
-    def _resolve_cache(self) -> Path | None:
+    # -- the model's tokenizer ------------------------------------------------------------------
+    def _check_model_tokenizer(self, tokenizer: Any) -> None:
+        """With torchtitan's ``MultiModalTokenizer`` (its VLMs' tokenizer: ``TOKEN_FIELDS`` and
+        ``<name>_id`` attributes), refuse a cache whose special-token ids differ from it. Uses
+        ``cache_path``'s (checked) manifest, else the processor the cache is keyed on
+        (``model_path``), so nothing is built first."""
+        fields = getattr(tokenizer, "TOKEN_FIELDS", None)
+        if not fields:
+            return
+        model = {f"{n}_id": int(getattr(tokenizer, f"{n}_id")) for n in fields}
         cfg = self.config
         if cfg.cache_path:
-            p = Path(cfg.cache_path)
-            if not (p / "metadata.json").is_file():
-                raise FileNotFoundError(
-                    f"dataloader.cache_path={p} is not a cache directory (no metadata.json)"
-                )
-            return p
-        if cfg.force_preprocess:
-            return self._build(force=True)
-        if cfg.use_preprocessed_cache:
-            from torchtitan_ext.vl.cache import find_cache
+            from torchtitan_ext.vl.cache import read_manifest
 
-            found = find_cache(**self._key_kwargs())
-            if found is not None:
-                logger.info("using VL cache %s", found)
-                return Path(found)
-            if cfg.build_if_missing:
-                return self._build(force=False)
-        msg = (
-            "no preprocessed VL cache for this config"
-            if cfg.use_preprocessed_cache
-            else "use_preprocessed_cache=false"
-        )
-        warnings.warn(
-            f"{msg}: falling back to ONLINE preprocessing inside the training loader (decode, "
-            "resize, tokenise and pack every step: slow, typically CPU-bound). Build the cache "
-            "once with `preprocess-cached` (or set dataloader.build_if_missing=true).",
-            OnlinePreprocessingWarning,
-            stacklevel=3,
-        )
-        logger.warning("VL loader: %s; using slow online preprocessing", msg)
-        return None
+            meta = Path(cfg.cache_path) / "metadata.json"
+            special = (
+                read_manifest(Path(cfg.cache_path))["special_tokens"] if meta.is_file() else None
+            )
+            cache_from = f"the VL cache {cfg.cache_path}"
+        else:
+            from torchtitan_ext.vl.processor import load_processor, special_token_ids
 
-    def _online_dataset(self) -> Any:
-        from torchtitan_ext.vl.online import OnlineVLDataset
-
-        cfg = self.config
-        return OnlineVLDataset(
-            dataset=self._dataset_arg(),
-            split=cfg.split,
-            seq_len=self.pack_seq_len,
-            buffer_size=cfg.buffer_size,
-            buckets=cfg.buckets,
-            model_path=cfg.model_path,
-            max_samples=cfg.max_samples,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            infinite=cfg.infinite,
-            seed=cfg.seed,
-            shuffle=cfg.shuffle,
-            strict=cfg.strict,
-        )
+            special = special_token_ids(load_processor(cfg.model_path))
+            cache_from = (
+                f"the VL cache's processor (dataloader.model_path={cfg.model_path})"
+                if cfg.model_path
+                else "the VL cache's processor (dataloader.model_path unset: the embedded "
+                "offline processor)"
+            )
+        if special is not None:  # a missing cache_path is reported by open_packs
+            check_special_tokens(
+                model,
+                special,
+                model_from=f"hf_assets_path={getattr(tokenizer, 'tokenizer_path', '?')}",
+                cache_from=cache_from,
+            )
 
     # -- iteration ------------------------------------------------------------------------------
     def _reset_position(self) -> None:

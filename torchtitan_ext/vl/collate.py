@@ -25,18 +25,31 @@ Formats
   packed-sequence detection), so each sample attends only to itself. ``use_cache=False`` is part of
   the batch because with the cache on the detection is skipped (facts.md: Δlogit 0.49).
 
-``"torchtitan"`` — ``(input_dict, labels)`` with the keys of torchtitan 0.3.0's
-``hf_datasets.multimodal.MultiModalCollator``::
+``"torchtitan"`` — ``(input_dict, labels)`` equal, key for key, to what torchtitan 0.3.0's
+``hf_datasets.multimodal.MultiModalCollator`` (``build_mrope_positions=True``, as its ``qwen3_5``
+configs set it) returns for the same samples (tested against the real collator)::
 
-    input [B, L], positions [B, L], mrope_positions [B, L, 3],
+    input [B, L], positions [B, L] (0 on padding),
     pixel_values float32 [n_img, max_patches, 1536] zero-padded per image (max_patches rounded up
-    to a multiple of merge_size**2), grid_thw [n_img, 3], pixel_values_videos None,
-    grid_thw_videos None, special_tokens {image_id, video_id, vision_start_id, vision_end_id, pad_id}
+    to a multiple of merge_size**2), grid_thw int64 [n_img, 3], pixel_values_videos None,
+    grid_thw_videos None, special_tokens {image_id, video_id, vision_start_id, vision_end_id, pad_id},
+    mrope_positions [B, L, 3] (only when the batch has an image, as there)
     labels [B, L] already shifted (labels[t] is the target of input[t]; torchtitan's loss does not
     shift), -100 where ignored.
 
-  Every sample's first label is -100 in the cache, so after the shift the last token of a sample
-  never learns to predict the next sample's first token.
+  mRoPE on padding follows the collator, which splits documents where ``positions`` decreases:
+  the padding after a pack's last sample is one more text document, numbered 0, 1, 2, ... on all
+  three axes (the cache stores 0s there; the model never reads them: padding is its own
+  document with label -100). A sample of one token (never in the cache: each is a chat turn)
+  is where that rule cannot see a boundary (positions 0, 0): the collator then continues the
+  numbering into the next sample, a constant shift that relative RoPE does not see; ours
+  restarts, as ``get_rope_index`` does. Every sample's first label is -100 in the cache, so
+  after the shift the last token of a sample never learns to predict the next sample's first
+  token (the collator itself would train it; with chat samples that first token,
+  ``<|im_start|>``, is never a target).
+  Intentional differences: a batch is padded to its longest pack (a bucket) where the collator
+  pads every batch to ``seq_len`` (pass ``pad_to=seq_len`` for its shape), and it never has the
+  collator's all-padding dummy rows (every rank's batches are full).
 
 ``"qwen3_vl"`` — ``(input_dict, labels)`` for torchtitan's trainer and the ``qwen3_vl`` model
 (``torchtitan_ext.models.qwen3_vl``, transformers' Qwen3-VL inside): the ``"hf"`` tensors under
@@ -255,7 +268,6 @@ def collate_torchtitan(
     input_dict: dict[str, Any] = {
         "input": tokens,
         "positions": pos[:, 0].contiguous(),
-        "mrope_positions": pos[:, 1:].permute(0, 2, 1).contiguous(),  # [B, L, 3]
         "pixel_values": None,
         "grid_thw": None,
         "pixel_values_videos": None,
@@ -265,6 +277,9 @@ def collate_torchtitan(
     if grid.shape[0]:
         pixels = _cat([p["pixel_u8"] for p in packs])
         input_dict["grid_thw"] = grid
+        mrope = pos[:, 1:].permute(0, 2, 1).contiguous()  # [B, L, 3]
+        _number_padding(mrope, [_real_length(p) for p in packs])
+        input_dict["mrope_positions"] = mrope
         u8 = _pad_per_image(pixels, grid, norm.merge_size)
         if normalize_on == "collate":
             # pad the uint8 rows first, then normalise once: one float pass instead of two
@@ -277,6 +292,25 @@ def collate_torchtitan(
         else:
             raise ValueError(f"normalize_on must be 'collate' or 'device', got {normalize_on!r}")
     return input_dict, labels
+
+
+def _real_length(pack: Mapping[str, torch.Tensor]) -> int:
+    """Tokens of a pack before its padding (``num_tokens``; else the sum of ``seq_lens``)."""
+    if "num_tokens" in pack:
+        return int(pack["num_tokens"])
+    if "seq_lens" in pack:
+        return int(pack["seq_lens"].sum())
+    return int(pack["input_ids"].shape[-1])
+
+
+def _number_padding(mrope: torch.Tensor, lengths: Sequence[int]) -> None:
+    """Number each row's padding as MultiModalCollator does (in place on ``mrope`` [B, L, 3]):
+    it splits a row into documents where ``positions`` decreases, so the padding after the last
+    sample is one more text document, 0, 1, 2, ... on all three axes."""
+    full = mrope.shape[1]
+    for b, n in enumerate(lengths):
+        if n < full:
+            mrope[b, n:] = torch.arange(full - n, dtype=mrope.dtype).unsqueeze(1)
 
 
 def torchtitan_special_tokens(special: Mapping[str, int]) -> dict[str, int]:
@@ -299,6 +333,30 @@ def torchtitan_special_tokens(special: Mapping[str, int]) -> dict[str, int]:
                 f"special token {name!r} missing from the cache's special tokens {dict(special)}"
             )
     return out
+
+
+def check_special_tokens(
+    model: Mapping[str, int], special: Mapping[str, int], *, model_from: str, cache_from: str
+) -> None:
+    """Refuse cache ids that differ from the model tokenizer's (both in torchtitan's names).
+
+    A torchtitan VLM (``qwen3_5``) finds image placeholders through the batch's
+    ``special_tokens``, so a foreign cache would still run, silently: its text ids index the
+    model's embedding rows as if they came from the model's tokenizer. Differing special-token
+    ids are the cheap, certain sign of that. Raises ``ValueError`` (one line, naming each key).
+    """
+    ours = torchtitan_special_tokens(special)
+    bad = [
+        f"{k} cache={ours[k]} model={int(v)}"
+        for k, v in model.items()
+        if k in ours and ours[k] != int(v)
+    ]
+    if bad:
+        raise ValueError(
+            f"special-token ids of {cache_from} differ from the model tokenizer's ({model_from}): "
+            f"{', '.join(bad)}; build the cache with the model's own processor "
+            "(dataloader.model_path = the hf_assets_path directory)"
+        )
 
 
 def finish_on_device(batch: Any, norm: PixelNorm = PixelNorm()) -> Any:

@@ -30,8 +30,9 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
   anchor plus the number of packs this worker yielded, which restores bitwise-exactly with the
   same DP degree and worker count. The torchtitan loader (``torchtitan_ext.loaders.vl``) keeps its
   own global state in the main process, so it resumes exactly *and* elastically with workers.
-* **Lazy.** The cache is opened by path; ``VLCache.open`` reads ``metadata.json`` and memory-maps the
-  tensors, reading no pixel data. Each worker process re-opens it lazily after fork/spawn.
+* **Lazy.** The cache is opened by path; ``VLCache.open`` reads and checks ``metadata.json`` and
+  the file sizes, reading no token or pixel data (a damaged cache is an error here, naming the
+  file). Each worker process re-opens it lazily after fork/spawn.
 
 State is plain ints (no pickle).
 
@@ -42,9 +43,9 @@ images, 27.6k uint8 patch rows = 21 MB) costs 1.7 ms in the HF format and 2.8 ms
 (its per-image padded layout copies the pixels once); 7.3 ms the first time a process touches a
 pack (page faults of a warm page cache), vs 138 ms for online preprocessing of the same rows
 (``vl/online.py``, float pixels: the seed's path; 107-310 ms across runs) and 38 ms to
-materialise the seed's float32 pack. Opening (``VLCache.open`` + this class): 0.4 ms for ~100
-packs, 4.2 ms for 1k, 42 ms for 10k (238 shards) vs 12 ms / 227 ms for the seed's one directory
-per pack.
+materialise the seed's float32 pack. Opening (``VLCache.open`` + this class) at realistic shapes
+(8k-token packs, 1,024 rows per shard): 0.24 ms for ~100 packs, 1.3 ms for 1k, 29 ms for 10k
+(228 shards) vs 12 ms / 247 ms for the seed's one directory per pack (``vl/cache.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan_ext.vl.cache import resolve_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +250,8 @@ class CachedVLDataset(IterableDataset):
     @property
     def cache(self) -> PackSource:
         if self._cache is None:  # after unpickling in a spawned worker
-            assert self._cache_path is not None
+            if self._cache_path is None:
+                raise RuntimeError("CachedVLDataset has neither a cache nor a cache path")
             self._cache = _open_cache(self._cache_path)
         return self._cache
 
@@ -393,23 +397,6 @@ def _check_compatible(
         raise ValueError(
             "CachedVLDataset state does not match this dataset: " + "; ".join(problems)
         )
-
-
-def resolve_cache_dir(path: str | Path) -> Path:
-    """A cache key directory, or a cache root holding exactly one complete key directory."""
-    p = Path(path)
-    if (p / "metadata.json").is_file():
-        return p
-    if not p.is_dir():
-        raise FileNotFoundError(f"VL cache {p} does not exist")
-    keys = sorted(d for d in p.iterdir() if (d / "metadata.json").is_file())
-    if len(keys) == 1:
-        return keys[0]
-    if not keys:
-        raise FileNotFoundError(f"{p} is not a VL cache (no metadata.json in it or below)")
-    raise ValueError(
-        f"{p} holds {len(keys)} caches ({', '.join(k.name for k in keys)}); pass one of them"
-    )
 
 
 def _open_cache(path: Path) -> PackSource:

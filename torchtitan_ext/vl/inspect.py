@@ -1,19 +1,27 @@
 """``inspect-cache`` / ``python -m torchtitan_ext.vl.inspect``: summarise, verify, render a VL cache.
 
-The summary reads only metadata.json / packing_stats.json (no tensor data): packs, samples/pack,
-tokens, fill %, images, patches, bytes per pack and the ratio to the seed's float32 layout
-(pixel_values float32 [N, 1536], input_ids/labels int64, position_ids int64 [4, L],
-image_grid_thw int64). ``--verify`` re-hashes every file (sha256; ~1 GB/s) and names each corrupt
-file and what is wrong; ``--render PACK OUT.png`` draws one pack (render.py).
+The summary opens the cache as training does (``VLCache.open``: manifest digest, file sizes,
+shard ``meta.json``; no tensor data) and reads packing_stats.json after checking its sha256:
+packs, samples/pack, tokens, fill %, images, patches, bytes per pack and the ratio to a float32
+layout (pixel_values float32 [N, 1536], input_ids/labels int64, position_ids int64 [4, L],
+image_grid_thw int64). ``--verify`` also re-hashes every file (sha256; ~1 GB/s) and checks every
+shard's index; ``--render PACK OUT.png`` draws one pack (render.py).
+
+Exit status: 0 when everything checked is intact; 2 with one line on stderr naming the file and
+what is wrong when the cache is damaged (or is not a cache). Nothing is written to the cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from torchtitan_ext.vl.cache import CacheError, VLCache, resolve_cache_dir, verify_cache
+from torchtitan_ext.vl.format import PACKING_STATS
 
 
 def float32_bytes(patches: int, padded_tokens: int, images: int) -> int:
@@ -21,10 +29,24 @@ def float32_bytes(patches: int, padded_tokens: int, images: int) -> int:
     return patches * 1536 * 4 + padded_tokens * (8 + 8 + 4 * 8) + images * 3 * 8
 
 
+def packing_stats(cache: VLCache) -> dict[str, Any]:
+    """packing_stats.json of an opened cache, checked against its recorded sha256 first."""
+    f = cache.path / PACKING_STATS
+    data = f.read_bytes()  # present with the recorded size: VLCache.open checked that
+    if hashlib.sha256(data).hexdigest() != cache.metadata["files"][PACKING_STATS]["sha256"]:
+        raise CacheError(f"{f}: sha256 mismatch (content changed, size unchanged)")
+    st = json.loads(data)
+    if not isinstance(st, dict):
+        raise CacheError(f"{f}: not a JSON object")
+    return st
+
+
 def summary(path: str | Path) -> dict[str, Any]:
+    """The numbers of the table; raises CacheError when the cache is damaged."""
     p = Path(path)
-    meta = json.loads((p / "metadata.json").read_text())
-    st = json.loads((p / "packing_stats.json").read_text())
+    cache = VLCache.open(p)
+    meta = cache.metadata
+    st = packing_stats(cache)
     c = meta["counts"]
     stored = sum(f["size"] for f in meta["files"].values())
     pixel_bytes = sum(f["size"] for k, f in meta["files"].items() if k.endswith("pixels.memmap"))
@@ -104,20 +126,9 @@ def format_table(s: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def _resolve_dir(d: str) -> Path:
-    """Accept a key directory, or a --cache-dir holding exactly one key directory."""
-    p = Path(d)
-    if (p / "metadata.json").exists():
-        return p
-    if p.is_dir():
-        keys = sorted(q for q in p.iterdir() if (q / "metadata.json").exists())
-        if len(keys) == 1:
-            return keys[0]
-        if keys:
-            raise ValueError(
-                f"{p} holds {len(keys)} caches, pass one of: " + ", ".join(q.name for q in keys)
-            )
-    raise FileNotFoundError(f"{p}: no complete VL cache (metadata.json) here")
+def _fail(what: str) -> int:
+    print(f"inspect-cache: error: {' '.join(what.splitlines())}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--verify",
         action="store_true",
-        help="check every file's size and sha256; exit 1 naming what is corrupt",
+        help="also hash every file and check every shard's index; exit 2 naming what is wrong",
     )
     ap.add_argument(
         "--render",
@@ -137,38 +148,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     try:
-        path = _resolve_dir(a.cache_dir)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"inspect-cache: error: {e}", file=sys.stderr)
-        return 2
-    s = summary(path)
+        path = resolve_cache_dir(a.cache_dir)
+    except (OSError, ValueError) as e:
+        return _fail(str(e))
+    try:
+        s = summary(path)
+    except CacheError as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"{e.filename or path}: {e.strerror or e}")
+    except (KeyError, TypeError, ValueError) as e:  # a sound digest over foreign content
+        return _fail(f"{path / PACKING_STATS}: unexpected content ({e!r})")
     print(json.dumps(s, indent=1) if a.json else format_table(s))
-    rc = 0
     if a.verify:
-        from torchtitan_ext.vl.cache import VLCache
-
-        try:
-            problems = VLCache.open(path).verify()
-        except (OSError, ValueError, RuntimeError) as e:
-            # the cache cannot even be opened (e.g. a shard's meta.json is corrupt): report that
-            problems = [f"cannot open: {type(e).__name__}: {e}"]
+        problems = verify_cache(path)
         if problems:
-            print(f"verify: {len(problems)} problem(s):", file=sys.stderr)
-            for pr in problems:
-                print(f"  {pr}", file=sys.stderr)
-            rc = 1
-        else:
-            print(
-                f"verify: OK ({len(json.loads((path / 'metadata.json').read_text())['files'])} "
-                "files, sizes and sha256 match)"
-            )
+            more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            return _fail(f"verify failed: {problems[0]}{more}")
+        n = len(VLCache.open(path).metadata["files"])
+        print(f"verify: OK ({n} files, sizes and sha256 match)")
     if a.render:
-        from torchtitan_ext.vl.cache import VLCache
         from torchtitan_ext.vl.render import render_pack
 
-        out = render_pack(VLCache.open(path), int(a.render[0]), a.render[1])
+        try:
+            out = render_pack(VLCache.open(path), int(a.render[0]), a.render[1])
+        except (CacheError, IndexError) as e:
+            return _fail(str(e))
         print(f"rendered pack {a.render[0]} -> {out}")
-    return rc
+    return 0
 
 
 if __name__ == "__main__":

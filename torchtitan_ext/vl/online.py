@@ -6,8 +6,9 @@ pack dicts in exactly the layout of ``VLCache.pack(i)``, so the collate function
 no difference. Costs what the seed measured for online packing: image decode + resize + patchify
 (~5-17 ms per image on this 2-core box, facts.md) on the training process's CPU.
 
-Rows come from the builder's own source reader (``vl.cache.open_source``: same files, columns
-and answer handling) in chunks of 256 rows; with ``shuffle`` epoch ``e`` visits the chunks in a
+Rows come from the builder's own source reader and layout (``vl.sources.open_source``: same
+files, columns and answer handling) and are processed by the builder's own per-row step
+(``vl.build.process_parsed``: same options, same skip reasons), in chunks of 256 rows; with ``shuffle`` epoch ``e`` visits the chunks in a
 random order and the rows of each chunk in a random order (seed ``seed + e``), so every chunk is
 read once per epoch. Sharding keeps the cache's guarantees without knowing the pack count in
 advance: every rank processes the *same* global row stream, packs it identically, and takes global packs in rounds of ``W``: rank ``r`` gets pack ``k`` of the
@@ -83,17 +84,15 @@ CHUNK_ROWS = 256
 """Rows read per source access; the shuffle permutes chunks and rows within a chunk, so each
 epoch reads every chunk once (random single-row Parquet reads would decode a row group each)."""
 
-MAX_IMAGE_PIXELS = 89_478_485  # the builder's default (PIL's decompression-bomb limit)
-
 
 class _Rows:
-    """Row access over the builder's source (``vl.cache.open_source``: same files, same column
-    picking, same answer handling), one chunk at a time."""
+    """Row access over the builder's source (``vl.sources.open_source``: same files, same column
+    picking, same answer handling), one chunk at a time; items are parsed samples."""
 
     def __init__(self, dataset: str | Path, split: str, max_samples: int | None) -> None:
-        from torchtitan_ext.vl.cache import open_source
+        from torchtitan_ext.vl.sources import open_source
 
-        self.src = open_source(dataset, split)
+        self.src = open_source(dataset, split, fingerprint="quick")  # the key is never needed
         n = self.src.num_rows
         self.num_rows = n if max_samples is None else min(n, int(max_samples))
         self._chunk = -1
@@ -102,11 +101,12 @@ class _Rows:
     def __len__(self) -> int:
         return self.num_rows
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> Any:
         c = i // CHUNK_ROWS
         if c != self._chunk:
             a = c * CHUNK_ROWS
-            self._rows = self.src.read(a, min(a + CHUNK_ROWS, self.num_rows))
+            raw = self.src.read(a, min(a + CHUNK_ROWS, self.num_rows))
+            self._rows = [self.src.parse(r) for r in raw]
             self._chunk = c
         return self._rows[i - c * CHUNK_ROWS]
 
@@ -131,8 +131,13 @@ class OnlineVLDataset(IterableDataset):
         shuffle: bool = True,
         strict: bool = False,
         rows: Any = None,
+        **options: Any,
     ) -> None:
+        """``rows``: a sequence of parsed samples to use instead of reading ``dataset``;
+        ``options``: further ``vl.build.BuildConfig`` fields (``exif_transpose``,
+        ``max_image_pixels``), processed exactly as the builder would."""
         super().__init__()
+        from torchtitan_ext.vl.build import config_from
         from torchtitan_ext.vl.processor import (
             load_processor,
             processor_fingerprint,
@@ -141,6 +146,10 @@ class OnlineVLDataset(IterableDataset):
 
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"need 0 <= dp_rank < dp_world_size, got {dp_rank}, {dp_world_size}")
+        self.build_config = config_from(
+            dataset, split, seq_len, buffer_size, buckets=buckets, model_path=model_path,
+            max_samples=max_samples, **options,
+        )  # fmt: skip
         self.rows = rows if rows is not None else _Rows(dataset, split, max_samples)
         self.num_rows = len(self.rows)
         if self.num_rows == 0:
@@ -183,19 +192,14 @@ class OnlineVLDataset(IterableDataset):
         return order
 
     def _process(self, row_index: int) -> Any:
-        """One row -> VLSample, or None with the skip counted under its reason (like the
-        builder: image lists allowed, the same pixel limit, the same reasons)."""
-        from torchtitan_ext.vl.processor import SampleError, decode_image, process_sample
+        """One row -> VLSample, or None with the skip counted under its reason (the builder's
+        per-row step: the same options, the same reasons)."""
+        from torchtitan_ext.vl.build import process_parsed
+        from torchtitan_ext.vl.processor import SampleError
 
-        row = self.rows[row_index]
         try:
-            img = row.get("image")
-            imgs = img if isinstance(img, list) else [img]
-            if not imgs:
-                raise SampleError("missing_image", "empty image list")
-            pil = [decode_image(x, MAX_IMAGE_PIXELS) for x in imgs]
-            return process_sample(
-                self.processor, pil, row.get("question"), row.get("answer"), max_len=self.seq_len
+            return process_parsed(
+                self.processor, self.rows[row_index], self.build_config, positions=True
             )
         except SampleError as e:
             if self.strict:
@@ -254,7 +258,8 @@ class OnlineVLDataset(IterableDataset):
                 k += 1
                 if (k - anchor_packs) % w == 0:  # round complete: release this rank's pack
                     self._next_row, self._buffered, self._packs = next_row, buffered, k
-                    assert mine is not None
+                    if mine is None:  # every round holds one pack per rank
+                        raise RuntimeError(f"rank {r} got no pack in round ending at {k}")
                     yield mine
                     mine = None
             # Epoch over (an incomplete last round is dropped on every rank alike).

@@ -1,14 +1,15 @@
 """``preprocess-cached`` / ``python -m torchtitan_ext.vl.preprocess``: build the packed VL cache.
 
-Thin CLI over :func:`torchtitan_ext.vl.cache.build_cache` (see cache.py for the algorithm and
-layout). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank builds its share of
-shards; every rank returns once the manifest is written. ``--dataset sample`` uses the generated
-sample dataset (``torchtitan_ext.vl.sample_data``).
+Thin CLI over :func:`torchtitan_ext.vl.build.build_cache` (see build.py for the algorithm and
+cache.py for the layout). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank
+builds its share of shards; every rank returns once the manifest is written. ``--dataset sample``
+uses the generated sample dataset (``torchtitan_ext.vl.sample_data``). Every default comes from
+:class:`~torchtitan_ext.vl.build.BuildConfig`.
 
 Measured (2-core box, 2 workers, seq_len 8192, 640x480 JPEGs; benchmarks/vl_preprocess.py):
 0.064-0.072 s of wall time per pack of ~20 images / 24,000 patches / 7,300 tokens at steady state
-(0.15 s when the box was shared with other jobs), vs the seed's quoted 1.7 s per pack of 24 images /
-29,600 patches: 19-26x, also when scaled to the seed's patch count.
+(0.15 s when the box was shared with other jobs). ``--num-workers``: see
+:func:`~torchtitan_ext.vl.build.default_num_workers`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields
 
 
 def _parser() -> argparse.ArgumentParser:
+    from torchtitan_ext.vl.build import BuildConfig, default_num_workers
+    from torchtitan_ext.vl.sources import FINGERPRINTS
+
+    d = {f.name: f.default for f in fields(BuildConfig)}
     p = argparse.ArgumentParser(
         prog="preprocess-cached",
         description="Preprocess a VQA-style dataset into a packed Qwen3-VL TensorDict memmap cache.",
@@ -30,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="local Parquet file/dir/glob, a hub dataset name, or 'sample'",
     )
-    p.add_argument("--split", default="train")
-    p.add_argument("--seq-len", type=int, default=8192, help="max tokens per pack")
-    p.add_argument("--buffer-size", type=int, default=64, help="best-fit buffer size")
+    p.add_argument("--split", default=d["split"])
+    p.add_argument("--seq-len", type=int, default=d["seq_len"], help="max tokens per pack")
+    p.add_argument("--buffer-size", type=int, default=d["buffer_size"], help="best-fit buffer")
     p.add_argument(
         "--buckets",
         default=None,
@@ -48,15 +54,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rows-per-shard",
         type=int,
-        default=None,
-        help="input rows per shard (resume/scale-out unit; default 1024)",
+        default=d["rows_per_shard"],
+        help=f"input rows per shard (resume/scale-out unit; default {d['rows_per_shard']})",
+    )
+    p.add_argument(
+        "--exif-transpose",
+        action=argparse.BooleanOptionalAction,
+        default=d["exif_transpose"],
+        help="turn photos upright by their EXIF orientation, as HF datasets does (part of the key)",
+    )
+    p.add_argument(
+        "--fingerprint",
+        choices=FINGERPRINTS,
+        default=d["fingerprint"],
+        help="'full': hash every byte of the source files for the cache key (remembered per file "
+        "by size+mtime); 'quick': size + first/last MiB only (misses same-size edits mid-file)",
     )
     p.add_argument("--force", action="store_true", help="rebuild even if the cache exists")
     p.add_argument(
         "--num-workers",
         type=int,
         default=None,
-        help="decode/resize/patchify processes (default: CPU count; 0 = in-process)",
+        help=f"decode/resize/patchify processes (default here: {default_num_workers()}; "
+        "0 = in the main process)",
     )
     p.add_argument(
         "--strict",
@@ -69,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    from torchtitan_ext.vl.cache import DEFAULT_ROWS_PER_SHARD, CacheLockedError, build_cache
+    from torchtitan_ext.vl.build import CacheLockedError, build_cache, default_num_workers
 
     dataset = a.dataset
     if dataset == "sample":
@@ -77,23 +97,25 @@ def main(argv: list[str] | None = None) -> int:
 
         dataset = str(sample_dataset_path())
     buckets = [int(x) for x in a.buckets.split(",") if x.strip()] if a.buckets else None
-    workers = (os.cpu_count() or 1) if a.num_workers is None else a.num_workers
+    workers = default_num_workers() if a.num_workers is None else a.num_workers
     t0 = time.perf_counter()
     try:
         path = build_cache(
-            dataset=dataset,
-            split=a.split,
-            cache_dir=a.cache_dir,
-            seq_len=a.seq_len,
-            buffer_size=a.buffer_size,
-            model_path=a.model_path,
-            max_samples=a.max_samples,
+            dataset,
+            a.split,
+            a.cache_dir,
+            a.seq_len,
+            a.buffer_size,
             num_workers=workers,
             strict=a.strict,
             force=a.force,
-            buckets=buckets,
             show_progress=not a.quiet,
-            rows_per_shard=a.rows_per_shard or DEFAULT_ROWS_PER_SHARD,
+            model_path=a.model_path,
+            max_samples=a.max_samples,
+            buckets=buckets,
+            rows_per_shard=a.rows_per_shard,
+            exif_transpose=a.exif_transpose,
+            fingerprint=a.fingerprint,
         )
     except (CacheLockedError, FileNotFoundError, ValueError) as e:
         print(f"preprocess-cached: error: {e}", file=sys.stderr)

@@ -337,10 +337,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """Same result as ``transformers.image_transforms.convert_to_rgb`` (alpha over white)."""
-    if img.mode == "RGB":
-        return img
+    """Same result as ``transformers.image_transforms.convert_to_rgb`` (transformers 5.23, the
+    PIL branch): any transparency -- an alpha band ("A": RGBA, LA, PA) or a ``transparency``
+    entry (a palette's tRNS, the colour key of an RGB / L / I;16 PNG) -- is composited onto
+    white; else a plain ``convert("RGB")``. Only an RGB image without a colour key is returned
+    as it is."""
     has_alpha = "A" in img.getbands() or img.info.get("transparency") is not None
+    if img.mode == "RGB" and not has_alpha:
+        return img
     if has_alpha:
         rgba = img.convert("RGBA")
         bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -349,11 +353,17 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 class SampleError(ValueError):
-    """A bad sample: ``reason`` is a short code counted in packing_stats.json."""
+    """A bad sample: ``reason`` is a short code counted in packing_stats.json; ``error_type``
+    names the exception behind a ``decode_error`` / ``processor_error``."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, error_type: str | None = None):
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+        self.error_type = error_type
+
+    @classmethod
+    def from_exception(cls, reason: str, e: BaseException) -> SampleError:
+        return cls(reason, f"{type(e).__name__}: {e}", type(e).__name__)
 
 
 @dataclass
@@ -432,44 +442,82 @@ def image_to_patches(img: Image.Image, p: ImageParams) -> tuple[np.ndarray, tupl
     return np.ascontiguousarray(a).reshape(gh * gw, 3 * ps * ps), (1, gh, gw)
 
 
-def decode_image(data: Any, max_image_pixels: int | None = None) -> Image.Image:
-    """bytes / {"bytes","path"} dict / PIL image -> a lazily opened PIL image, or SampleError."""
+_PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+"""What PIL raises for truncated or corrupt data (SyntaxError for some broken headers)."""
+
+
+def decode_image(
+    data: Any, max_image_pixels: int | None = None, exif_transpose: bool = True
+) -> Image.Image:
+    """bytes / {"bytes","path"} dict / PIL image -> a PIL image, or SampleError.
+
+    The image is opened lazily (header only) and its pixel count checked before any decoding.
+    ``exif_transpose``: an image carrying an orientation tag is decoded and turned upright here,
+    exactly as ``datasets``' ``Image`` feature does (``ImageOps.exif_transpose`` whenever the tag
+    is present); other images stay lazy until ``load_image`` (a PNG's tag is looked for there).
+    Corrupt data is ``corrupt_image``; any other exception while reading is ``decode_error``
+    (with its class).
+    """
     if data is None:
         raise SampleError("missing_image", "image is None")
     if isinstance(data, Image.Image):
-        return data
-    if isinstance(data, dict):
-        b = data.get("bytes")
-        if b is None and data.get("path"):
-            try:
-                with open(data["path"], "rb") as f:
-                    b = f.read()
-            except OSError as e:
-                raise SampleError("missing_image", f"cannot read {data['path']}: {e}") from None
-        data = b
-    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
-        raise SampleError("missing_image", f"no image bytes ({type(data).__name__})")
-    try:
-        img = Image.open(io.BytesIO(data))
-        if max_image_pixels is not None and img.width * img.height > max_image_pixels:
-            raise SampleError(
-                "image_too_large", f"{img.width}x{img.height} > {max_image_pixels} pixels"
-            )
-    except SampleError:
-        raise
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        # PIL raises OSError for truncated/corrupt data, SyntaxError for some broken headers.
-        raise SampleError("corrupt_image", f"{type(e).__name__}: {e}") from None
-    # Not decoded yet (lazy): process_sample checks the size first, then calls load_image.
+        img = data
+    else:
+        if isinstance(data, dict):
+            b = data.get("bytes")
+            if b is None and data.get("path"):
+                try:
+                    with open(data["path"], "rb") as f:
+                        b = f.read()
+                except OSError as e:
+                    raise SampleError("missing_image", f"cannot read {data['path']}: {e}") from None
+            data = b
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
+            raise SampleError("missing_image", f"no image bytes ({type(data).__name__})")
+        img = _decoding(lambda: Image.open(io.BytesIO(data)))
+    if max_image_pixels is not None and img.width * img.height > max_image_pixels:
+        raise SampleError(
+            "image_too_large", f"{img.width}x{img.height} > {max_image_pixels} pixels"
+        )
+    if exif_transpose:
+        if img.format == "PNG" and "exif" not in img.info:
+            # PIL reads a PNG's eXIf chunk only with the pixels when it follows them: look
+            # after decoding (load_image), so that a PNG stays lazy here.
+            img._ttx_exif_after_load = True  # type: ignore[attr-defined]
+        else:
+            img = _upright(img)
     return img
 
 
-def load_image(img: Image.Image) -> Image.Image:
-    """Decode a lazily opened image; corrupt/truncated data -> SampleError("corrupt_image")."""
+def _upright(img: Image.Image) -> Image.Image:
+    """``ImageOps.exif_transpose`` when the image has an orientation tag (EXIF or XMP), as
+    ``datasets`` decodes (it decodes the pixels); else the image unchanged."""
+    from PIL import ImageOps
+
+    if _decoding(lambda: img.getexif().get(Image.ExifTags.Base.Orientation)) is None:
+        return img
+    return _decoding(lambda: ImageOps.exif_transpose(img))
+
+
+def _decoding(fn):
+    """Run one PIL step; its failures become the row's SampleError."""
     try:
-        img.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        return fn()
+    except SampleError:
+        raise
+    except _PIL_DECODE_ERRORS as e:
         raise SampleError("corrupt_image", f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # a plugin's unforeseen failure is still this row's, not the build's
+        raise SampleError.from_exception("decode_error", e) from None
+
+
+def load_image(img: Image.Image) -> Image.Image:
+    """Decode a lazily opened image; corrupt/truncated data -> SampleError("corrupt_image"),
+    anything else -> SampleError("decode_error"). A PNG whose EXIF orientation could only be
+    read with its pixels (``decode_image``) is turned upright here."""
+    _decoding(img.load)
+    if getattr(img, "_ttx_exif_after_load", False):
+        return _upright(img)
     return img
 
 
@@ -663,7 +711,8 @@ def process_sample(
     patches, out_grids = [], []
     for im, g in zip(images, grids, strict=True):
         u8, g2 = image_to_patches(load_image(im), p)
-        assert g2 == g, (g2, g)
+        if g2 != g:  # a lying header, or a PNG's late EXIF orientation turned it by 90 degrees
+            raise SampleError("decode_error", f"decoded grid {g2} differs from the header's {g}")
         patches.append(u8)
         out_grids.append(g)
     grid = np.asarray(out_grids, dtype=np.int64).reshape(-1, 3)

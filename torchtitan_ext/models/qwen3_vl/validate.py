@@ -34,12 +34,13 @@ from torchtitan_ext.models.qwen3_vl.flavors import (
 )
 
 FORMAT = "qwen3_vl"
-# model config key -> (the processor's special_token_ids() key, the token)
+# torchtitan's special-token names (as vl.collate.check_special_tokens compares them) -> the
+# model config's keys
 TOKEN_KEYS = {
-    "image_token_id": ("image_pad_id", "<|image_pad|>"),
-    "video_token_id": ("video_pad_id", "<|video_pad|>"),
-    "vision_start_token_id": ("vision_start_id", "<|vision_start|>"),
-    "vision_end_token_id": ("vision_end_id", "<|vision_end|>"),
+    "image_id": "image_token_id",
+    "video_id": "video_token_id",
+    "vision_start_id": "vision_start_token_id",
+    "vision_end_id": "vision_end_token_id",
 }
 
 
@@ -131,11 +132,18 @@ def _processor_tokens(model_path: str | None) -> tuple[dict[str, int], int]:
     return special_token_ids(proc), len(proc.tokenizer)
 
 
-def _token_problems(hf_config: dict, special: dict[str, int], vocab: int | None) -> list[str]:
+def _token_problems(
+    hf_config: dict, special: dict[str, int], vocab: int | None, model_from: str, cache_from: str
+) -> list[str]:
+    """Why the cache's special tokens / vocabulary do not fit the model ([] if they do)."""
+    from torchtitan_ext.vl.collate import check_special_tokens
+
     out = []
-    for key, (ours, token) in TOKEN_KEYS.items():
-        if ours in special and hf_config[key] != special[ours]:
-            out.append(f"{key} {hf_config[key]} != {token} id {special[ours]}")
+    try:
+        model_ids = {k: hf_config[v] for k, v in TOKEN_KEYS.items()}
+        check_special_tokens(model_ids, special, model_from=model_from, cache_from=cache_from)
+    except (ValueError, KeyError) as e:
+        out.append(str(e).strip("'\""))
     model_vocab = hf_config["text_config"]["vocab_size"]
     too_big = {k: v for k, v in special.items() if v >= model_vocab}
     if too_big:
@@ -152,9 +160,11 @@ def _check_tokens(flavor: str, hf_config: dict, where: str, loader: Any, fail: A
         special, vocab = _processor_tokens(loader.model_path)
     except (OSError, ValueError) as e:
         raise fail(f"[{where}] model_path: cannot load the Qwen3-VL processor: {e}") from None
-    problems = _token_problems(hf_config, special, vocab)
+    src = loader.model_path or "the embedded offline processor"
+    problems = _token_problems(
+        hf_config, special, vocab, f"[model] flavor {flavor!r}", f"the processor {src}"
+    )
     if problems:
-        src = loader.model_path or "the embedded offline processor"
         raise fail(
             f"[model] flavor {flavor!r} does not fit the processor that tokenizes the cache "
             f"([{where}] model_path / hf_assets_path: {src}): {'; '.join(problems)}"
@@ -171,7 +181,13 @@ def _check_explicit_cache(
     if not meta_file.is_file():
         raise fail(f"[{where}] cache_path = {path!r} is not a cache directory (no metadata.json)")
     meta = json.loads(meta_file.read_text())
-    problems = _token_problems(hf_config, meta.get("special_tokens", {}), None)
+    problems = _token_problems(
+        hf_config,
+        meta.get("special_tokens", {}),
+        None,
+        f"[model] flavor {flavor!r}",
+        f"the VL cache {path}",
+    )
     if problems:
         raise fail(
             f"[{where}] cache_path {path!r} was built with special tokens that do not fit "

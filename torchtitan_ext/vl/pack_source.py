@@ -1,0 +1,201 @@
+"""Where a VL training job's packs come from: a cache that exists, a cache built now, or the online
+fallback. The torchtitan loader (``loaders/vl.py``) only maps its Config onto :func:`open_packs`.
+
+:func:`choose_cache` resolves the data source once:
+
+1. ``cache_path`` -> that cache directory, as it is;
+2. ``force_preprocess`` -> rebuild the cache for the configured key (``vl.build.build_cache``);
+3. else a complete cache for the key exists and ``use_preprocessed_cache`` -> use it;
+4. else ``build_if_missing`` -> build it now (``build_cache`` splits the shards over the job's
+   ranks via RANK/WORLD_SIZE; every rank returns once the cache is complete);
+5. else None: the caller falls back to ``vl.online.OnlineVLDataset``, which runs the *same*
+   preprocessing and packing inside the loader, with a loud warning that it is slow.
+
+The request is any object with the loader Config's attribute names (:class:`PackRequest`). Its
+attributes named like a :class:`~torchtitan_ext.vl.build.BuildConfig` field (``buckets``,
+``model_path``, ``max_samples``, ``exif_transpose``, ``fingerprint``, ...) flow into the cache key
+by name, so a knob added to both is never re-listed here. A damaged cache is an error
+(``vl.cache.CacheError``), never a silent rebuild or fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_DATASET = "sample"
+
+
+class OnlinePreprocessingWarning(UserWarning):
+    """The VL loader runs preprocessing inside the training job (no cache): slow."""
+
+
+class PackRequest(Protocol):
+    """The attributes :func:`open_packs` reads (the ``cached_vl`` loader Config has them all)."""
+
+    dataset: str
+    dataset_path: str | None
+    split: str
+    cache_dir: str
+    cache_path: str | None
+    buffer_size: int
+    use_preprocessed_cache: bool
+    force_preprocess: bool
+    build_if_missing: bool
+    preprocess_workers: int
+    strict: bool
+    seed: int
+    shuffle: bool
+    infinite: bool
+    remainder: str
+
+
+def dataset_arg(req: PackRequest) -> str | Path:
+    """The dataset to read: ``dataset_path`` when set, the generated sample for ``"sample"``."""
+    if req.dataset_path:
+        return req.dataset_path
+    if not req.dataset:
+        raise ValueError(
+            "dataloader.dataset is required for the cached_vl loader: a local Parquet "
+            "directory, a Hugging Face dataset name or 'sample' (or set dataloader.cache_path)"
+        )
+    if req.dataset == SAMPLE_DATASET:
+        from torchtitan_ext.vl.sample_data import sample_dataset_path
+
+        return sample_dataset_path()
+    return req.dataset
+
+
+def key_args(req: PackRequest, seq_len: int) -> dict[str, Any]:
+    """``find_cache`` / ``build_cache`` arguments of a request: its BuildConfig-named
+    attributes, by name."""
+    from torchtitan_ext.vl.build import OPTION_NAMES
+
+    options = {n: getattr(req, n) for n in OPTION_NAMES if n != "seq_len" and hasattr(req, n)}
+    options.pop("buffer_size", None)
+    return {
+        "dataset": dataset_arg(req),
+        "split": req.split,
+        "cache_dir": req.cache_dir,
+        "seq_len": seq_len,
+        "buffer_size": req.buffer_size,
+        **options,
+    }
+
+
+def _build(req: PackRequest, seq_len: int, force: bool) -> Path:
+    import torch
+
+    from torchtitan_ext.vl import build  # looked up at call time (tests spy on build_cache)
+
+    kw = key_args(req, seq_len)
+    logger.warning(
+        "building the VL cache for %s under %s (the full preprocessing runs now)",
+        kw["dataset"],
+        req.cache_dir,
+    )
+    threads = torch.get_num_threads()
+    try:
+        return Path(
+            build.build_cache(
+                **kw,
+                num_workers=req.preprocess_workers,
+                strict=req.strict,
+                force=force,
+                show_progress=False,
+            )
+        )
+    finally:
+        # an in-process build sets torch's intra-op threads to 1 (pool-worker setup); the
+        # training job keeps its own setting
+        torch.set_num_threads(threads)
+
+
+def choose_cache(req: PackRequest, seq_len: int) -> Path | None:
+    """The cache directory to read, or None for the online fallback (warned)."""
+    if req.cache_path:
+        p = Path(req.cache_path)
+        if not (p / "metadata.json").is_file():
+            raise FileNotFoundError(
+                f"dataloader.cache_path={p} is not a cache directory (no metadata.json)"
+            )
+        return p
+    if req.force_preprocess:
+        return _build(req, seq_len, force=True)
+    if req.use_preprocessed_cache:
+        from torchtitan_ext.vl.build import find_cache
+
+        found = find_cache(**key_args(req, seq_len))
+        if found is not None:
+            logger.info("using VL cache %s", found)
+            return Path(found)
+        if req.build_if_missing:
+            return _build(req, seq_len, force=False)
+    msg = (
+        "no preprocessed VL cache for this config"
+        if req.use_preprocessed_cache
+        else "use_preprocessed_cache=false"
+    )
+    warnings.warn(
+        f"{msg}: falling back to ONLINE preprocessing inside the training loader (decode, "
+        "resize, tokenise and pack every step: slow, typically CPU-bound). Build the cache "
+        "once with `preprocess-cached` (or set dataloader.build_if_missing=true).",
+        OnlinePreprocessingWarning,
+        stacklevel=4,
+    )
+    logger.warning("VL loader: %s; using slow online preprocessing", msg)
+    return None
+
+
+@dataclass
+class Packs:
+    """What a loader iterates: ``dataset`` yields pack dicts for one DP rank."""
+
+    source: str
+    """``"cache"`` or ``"online"``."""
+    path: Path | None
+    dataset: Any
+    """``CachedVLDataset`` or ``OnlineVLDataset``."""
+    special_tokens: dict[str, int]
+    metadata: dict[str, Any]
+
+
+def open_packs(
+    req: PackRequest, *, seq_len: int, dp_rank: int, dp_world_size: int, block_size: int
+) -> Packs:
+    """Choose the source (:func:`choose_cache`) and open it for one DP rank."""
+    path = choose_cache(req, seq_len)
+    if path is not None:
+        from torchtitan_ext.vl.dataset import CachedVLDataset
+
+        ds = CachedVLDataset(
+            path,
+            dp_rank,
+            dp_world_size,
+            infinite=req.infinite,
+            seed=req.seed,
+            shuffle=req.shuffle,
+            remainder=req.remainder,  # type: ignore[arg-type]
+            block_size=block_size,
+        )
+        cache: Any = ds.cache
+        return Packs("cache", path, ds, dict(cache.special_tokens), dict(cache.metadata))
+    from torchtitan_ext.vl.online import OnlineVLDataset
+
+    kw = key_args(req, seq_len)
+    kw.pop("cache_dir")
+    online = OnlineVLDataset(
+        **kw,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=req.infinite,
+        seed=req.seed,
+        shuffle=req.shuffle,
+        strict=req.strict,
+    )
+    return Packs("online", None, online, online.special_tokens, online.metadata)

@@ -1,0 +1,381 @@
+"""Writing the packed VL cache (format: ``vl/cache.py``): rows in, shard directories and the manifest
+out. No processor and no source here, so a benchmark or a test can write a real-layout cache from
+synthetic rows with exactly the code a build uses.
+
+* :func:`write_shard` packs one shard's rows (best fit, the buffer restarts per shard) and writes
+  its TensorDict memmap, ``stats.json`` and checksums into a temporary directory;
+  :func:`publish_shard` fsyncs it and renames it into place (the rename is the shard's commit).
+* :func:`write_manifest` reads every shard's ``stats.json``, writes ``packing_stats.json`` then
+  ``metadata.json`` (the cache's commit marker), each by an atomic rename, after checking the
+  result with the reader's own checks.
+
+Rows travel as :class:`ProcessedRow` (a sample's arrays) or :class:`Skip` (a counted reason).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchtitan_ext.vl.cache import VLCache
+from torchtitan_ext.vl.format import (
+    COLUMNS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    PACKING_STATS,
+    SHARD_META,
+    SHARD_STATS,
+    SHARDS,
+    CacheError,
+    column_shape,
+    manifest_digest,
+    sha256_file,
+    shard_meta_problem,
+    shard_meta_template,
+)
+
+SKIP_EXAMPLES = 5
+"""Rows kept per skip reason as examples in the stats."""
+
+
+@dataclass
+class ProcessedRow:
+    """One input row, processed: what its sample stores in a shard."""
+
+    row: int
+    tokens: np.ndarray
+    """int32 [n] content token ids."""
+    label_mask: np.ndarray
+    """uint8 [n], 1 = a target token (the first token of a sample is never one)."""
+    pixels: np.ndarray
+    """uint8 [patches, 3 * patch_size**2] in the processor's row order."""
+    grid_thw: np.ndarray
+    """int32 [images, 3]."""
+
+
+@dataclass
+class Skip:
+    """One input row that is not in the cache, and why (counted under ``reason``)."""
+
+    row: int
+    reason: str
+    message: str
+    error_type: str | None = None
+    """The exception's class for ``decode_error`` / ``processor_error``."""
+
+
+@dataclass
+class _ShardCounts:
+    packs: int = 0
+    samples: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    images: int = 0
+    patches: int = 0
+    rows_read: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_rows: dict[str, list[int]] = field(default_factory=dict)
+    skipped_errors: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def skip(self, s: Skip) -> None:
+        self.skipped[s.reason] = self.skipped.get(s.reason, 0) + 1
+        rows = self.skipped_rows.setdefault(s.reason, [])
+        if len(rows) < SKIP_EXAMPLES:
+            rows.append(s.row)
+        if s.error_type:
+            types = self.skipped_errors.setdefault(s.reason, {})
+            types[s.error_type] = types.get(s.error_type, 0) + 1
+
+
+def _pack_order(
+    ok: list[ProcessedRow], seq_len: int, buffer_size: int, buckets: list[int]
+) -> tuple[list[ProcessedRow], np.ndarray, np.ndarray]:
+    """Samples in pack order, pack offsets [K+1, 4] (sample, token, image, patch) and padded
+    lengths [K]."""
+    from torchtitan_ext.vl.packing import best_fit_packs, bucket_length
+
+    packs = list(best_fit_packs([len(r.tokens) for r in ok], seq_len, buffer_size))
+    order = [ok[i] for p in packs for i in p]
+    offsets = np.zeros((len(packs) + 1, 4), dtype=np.int64)
+    pack_len = np.zeros(len(packs), dtype=np.int32)
+    k = 0
+    for j, p in enumerate(packs):
+        rows = order[k : k + len(p)]
+        nt = sum(len(r.tokens) for r in rows)
+        offsets[j + 1] = offsets[j] + (
+            len(p),
+            nt,
+            sum(len(r.grid_thw) for r in rows),
+            sum(len(r.pixels) for r in rows),
+        )
+        pack_len[j] = bucket_length(nt, buckets)
+        k += len(p)
+    return order, offsets, pack_len
+
+
+def write_shard(
+    out: Path,
+    rows: Sequence[ProcessedRow | Skip],
+    seq_len: int,
+    buffer_size: int,
+    buckets: list[int],
+    patch_dim: int,
+) -> dict[str, Any]:
+    """Pack one shard's rows and write its TensorDict memmap + ``stats.json`` into ``out``."""
+    from tensordict import TensorDict
+
+    counts = _ShardCounts(rows_read=len(rows))
+    ok = []
+    for r in rows:
+        if isinstance(r, Skip):
+            counts.skip(r)
+        else:
+            ok.append(r)
+    order, offsets, pack_len = _pack_order(ok, seq_len, buffer_size, buckets)
+
+    def cat(xs: list[np.ndarray], dtype, tail=()) -> torch.Tensor:
+        if not xs:
+            return torch.from_numpy(np.zeros((0, *tail), dtype=dtype))
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(xs)).astype(dtype, copy=False))
+
+    td = TensorDict(
+        {
+            "tokens": cat([r.tokens for r in order], np.int32),
+            "label_mask": cat([r.label_mask for r in order], np.uint8),
+            "pixels": cat([r.pixels for r in order], np.uint8, (patch_dim,)),
+            "grid_thw": cat([r.grid_thw for r in order], np.int32, (3,)),
+            "sample_lens": torch.tensor([len(r.tokens) for r in order], dtype=torch.int32),
+            "sample_rows": torch.tensor([r.row for r in order], dtype=torch.int64),
+            "pack_offsets": torch.from_numpy(offsets),
+            "pack_len": torch.from_numpy(pack_len),
+        },
+        batch_size=[],
+    )
+    # Hash the tensors from memory (the .memmap files are their raw C-order bytes): re-reading
+    # the files would cost ~2x more per 20 MB pack. verify() checks the files themselves.
+    mem_hash = {
+        f"{k}.memmap": (v.numel() * v.element_size(), hashlib.sha256(v.numpy().data).hexdigest())
+        for k, v in td.items()
+        if v.numel()
+    }
+    td.memmap_(str(out))
+    counts.packs, counts.samples = len(pack_len), len(order)
+    counts.tokens = int(offsets[-1, 1])
+    counts.padded_tokens = int(pack_len.sum())
+    counts.images, counts.patches = int(offsets[-1, 2]), int(offsets[-1, 3])
+    _check_meta_json(out, asdict(counts), patch_dim)
+    files = {}
+    for f in sorted(out.iterdir()):
+        size = f.stat().st_size
+        if f.name in mem_hash and mem_hash[f.name][0] == size:
+            files[f.name] = {"size": size, "sha256": mem_hash[f.name][1]}
+        else:  # meta.json (or an unexpected file layout): hash what is on disk
+            files[f.name] = {"size": size, "sha256": sha256_file(f)}
+    fills = (offsets[1:, 1] - offsets[:-1, 1]) / np.maximum(pack_len, 1)
+    stats = asdict(counts) | {
+        "files": files,
+        "pack_fill": [round(float(x), 6) for x in fills],
+        "pack_samples": (offsets[1:, 0] - offsets[:-1, 0]).tolist(),
+        "pack_images": (offsets[1:, 2] - offsets[:-1, 2]).tolist(),
+        "pack_len": pack_len.tolist(),
+    }
+    with open(out / SHARD_STATS, "w") as f:
+        json.dump(stats, f, sort_keys=True)
+        f.write("\n")
+    return stats
+
+
+def _check_meta_json(out: Path, counts: dict[str, Any], patch_dim: int) -> None:
+    """tensordict wrote exactly our columns (the format holds no NonTensorData)."""
+    doc = json.loads((out / SHARD_META).read_text())
+    shapes = {c.name: column_shape(c, counts, patch_dim) for c in COLUMNS}
+    problem = shard_meta_problem(doc, shapes, shard_meta_template(doc))
+    if problem:
+        raise RuntimeError(f"{out / SHARD_META}: {problem} (tensordict wrote an unexpected layout)")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_shard(tmp: Path, final: Path) -> bool:
+    """fsync a written shard and rename it into place; False (and ``tmp`` removed) when
+    ``final`` already exists (content is deterministic: keep the one that is there)."""
+    for f in tmp.iterdir():  # data must be on disk before the rename publishes it
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    finally:
+        fsync_dir(final.parent)
+    return True
+
+
+JSON_TMP_PREFIX = ".tmp-json-"
+"""Temporary files of :func:`write_json_atomic` start with this (so stray ones are found)."""
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f"{JSON_TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _dist(xs: Sequence[float]) -> dict[str, float]:
+    if not len(xs):
+        return {"mean": 0.0, "min": 0.0, "p50": 0.0, "max": 0.0}
+    a = np.asarray(xs, dtype=np.float64)
+    return {
+        "mean": round(float(a.mean()), 4),
+        "min": round(float(a.min()), 4),
+        "p50": round(float(np.median(a)), 4),
+        "max": round(float(a.max()), 4),
+    }
+
+
+_TOTALS = ("packs", "samples", "tokens", "padded_tokens", "images", "patches", "rows_read")
+
+
+def _gather(kdir: Path, ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Every shard's stats.json folded: totals, skips, per-pack lists, shard docs, file records."""
+    g: dict[str, Any] = {
+        "tot": Counter(), "skipped": Counter(), "rows": {}, "errors": {}, "fill": [],
+        "spp": [], "ipp": [], "plen": [], "shards": [], "files": {},
+    }  # fmt: skip
+    for k, (a, b) in enumerate(ranges):
+        d = kdir / SHARDS / f"{k:05d}"
+        st = json.loads((d / SHARD_STATS).read_text())
+        for name, rec in st["files"].items():
+            g["files"][f"{SHARDS}/{k:05d}/{name}"] = rec
+        g["files"][f"{SHARDS}/{k:05d}/{SHARD_STATS}"] = {
+            "size": (d / SHARD_STATS).stat().st_size,
+            "sha256": sha256_file(d / SHARD_STATS),
+        }
+        for c in _TOTALS:
+            g["tot"][c] += st[c]
+        g["skipped"].update(st["skipped"])
+        for r, rows in st["skipped_rows"].items():
+            g["rows"][r] = (g["rows"].get(r, []) + rows)[:SKIP_EXAMPLES]
+        for r, types in st["skipped_errors"].items():
+            g["errors"].setdefault(r, Counter()).update(types)
+        g["fill"] += st["pack_fill"]
+        g["spp"] += st["pack_samples"]
+        g["ipp"] += st["pack_images"]
+        g["plen"] += st["pack_len"]
+        shard = {"name": f"{k:05d}", "rows": [a, b]}
+        g["shards"].append(shard | {c: st[c] for c in ("packs", "samples", "tokens", "images",
+                                                       "patches")})  # fmt: skip
+    return g
+
+
+def _packing_stats(g: dict[str, Any], kdir: Path) -> dict[str, Any]:
+    tot, skipped = g["tot"], g["skipped"]
+    n_skip = sum(skipped.values())
+    if tot["rows_read"] != tot["samples"] + n_skip:
+        raise RuntimeError(
+            f"{kdir}: counts do not reconcile: read {tot['rows_read']} != packed "
+            f"{tot['samples']} + skipped {n_skip}"
+        )
+    return {
+        "packs": tot["packs"],
+        "rows_read": tot["rows_read"],
+        "samples_packed": tot["samples"],
+        "skipped_total": n_skip,
+        "skipped": dict(sorted(skipped.items())),
+        "skipped_example_rows": dict(sorted(g["rows"].items())),
+        "skipped_error_types": {r: dict(sorted(c.items())) for r, c in sorted(g["errors"].items())},
+        "reconciles": True,
+        "samples_per_pack": _dist(g["spp"]),
+        "images_per_pack": _dist(g["ipp"]),
+        "fill_pct": {k: round(v * 100, 2) for k, v in _dist(g["fill"]).items()},
+        "tokens": tot["tokens"],
+        "padded_tokens": tot["padded_tokens"],
+        "images": tot["images"],
+        "patches": tot["patches"],
+        "bucket_counts": {str(b): c for b, c in sorted(Counter(g["plen"]).items())},
+    }
+
+
+def write_manifest(
+    kdir: Path, ranges: Sequence[tuple[int, int]], identity: dict[str, Any]
+) -> dict[str, Any]:
+    """Write ``packing_stats.json`` then ``metadata.json`` for a cache whose shards are complete.
+
+    ``identity``: the manifest fields that describe what was built (``key``, ``config``,
+    ``dataset_fingerprint``, ``layout``, ``processor``, ``image_params``, ``special_tokens``,
+    ``versions``). The manifest is checked with the reader's checks before it is committed.
+    """
+    g = _gather(kdir, ranges)
+    stats = _packing_stats(g, kdir)
+    write_json_atomic(kdir / PACKING_STATS, stats)
+    files = dict(g["files"])
+    files[PACKING_STATS] = {
+        "size": (kdir / PACKING_STATS).stat().st_size,
+        "sha256": sha256_file(kdir / PACKING_STATS),
+    }
+    first = kdir / SHARDS / "00000" / SHARD_META
+    template = shard_meta_template(json.loads(first.read_text())) if ranges else {}
+    tot = g["tot"]
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **identity,
+        "counts": {
+            "packs": tot["packs"],
+            "samples": tot["samples"],
+            "rows_read": tot["rows_read"],
+            "skipped": stats["skipped_total"],
+            "tokens": tot["tokens"],
+            "padded_tokens": tot["padded_tokens"],
+            "images": tot["images"],
+            "patches": tot["patches"],
+        },
+        "storage": {
+            **{c.name: f"{c.dtype} {_shape_doc(c)}" for c in COLUMNS},
+            "position_ids": "computed at read (not stored)",
+            "padding": "added at read to pack_len",
+        },
+        "shard_meta": template,
+        "shards": g["shards"],
+        "files": dict(sorted(files.items())),
+    }
+    meta["digest"] = manifest_digest(meta)
+    cache = VLCache(kdir, meta)
+    try:
+        for problem in cache.layout_problems(writing=True):
+            raise CacheError(problem)
+        cache.pack_lengths()  # maps every shard: checks every shard's index
+    except CacheError as e:
+        raise RuntimeError(f"refusing to commit a cache that fails its own checks: {e}") from None
+    write_json_atomic(kdir / MANIFEST, meta)
+    fsync_dir(kdir)
+    return meta
+
+
+def _shape_doc(c) -> str:
+    rows = {"packs": "K", "samples": "S", "tokens": "T", "images": "I", "patches": "P"}[c.count]
+    rows += "+1" if c.plus_one else ""
+    width = "3*patch^2" if c.width == -1 else str(c.width)
+    return f"[{rows}, {width}]" if c.width else f"[{rows}]"
