@@ -335,3 +335,24 @@ def test_reflavoured_gpu_config_keeps_its_loss(tmp_path, monkeypatch):
     cfg = load_config(job(tmp_path, config="qwen3_vl_30b_a3b", flavor="235B-A22B"))
     assert cfg.model_spec.flavor == "235B-A22B" and cfg.staging.enable
     assert type(cfg.loss).__qualname__ == "ChunkedLossWrapper.Config"
+
+
+def test_demo_vl_builds_the_cache_the_tiny_config_looks_for():
+    """`make demo-vl` builds the cache with preprocess-cached, then trains with the TOML: the
+    two must agree on every part of the cache key, or the job would build a second cache."""
+    import re
+    import tomllib
+
+    from tests.conftest import REPO
+
+    recipe = (REPO / "Makefile").read_text().split("demo-vl: setup")[1].split("\n\n")[0]
+    flags = dict(re.findall(r"--([a-z-]+) (\S+)", recipe.replace("\\\n", " ")))
+    table = tomllib.loads((REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml").read_text())
+    dl = table["dataloader"]
+    assert flags["dataset"] == dl["dataset"] == "sample"
+    assert int(flags["seq-len"]) == table["training"]["seq_len"] and "pack_seq_len" not in dl
+    assert int(flags["buffer-size"]) == dl["buffer_size"]
+    assert [int(b) for b in flags["buckets"].split(",")] == dl["buckets"]
+    assert flags["cache-dir"].rstrip("/") == dl["cache_dir"].rstrip("/")
+    assert dl.get("split", "train") == "train" and "--split" not in recipe
+    assert "model_path" not in dl and "max_samples" not in dl and "--model-path" not in recipe
