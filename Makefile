@@ -1,7 +1,8 @@
 # torchtitan_ext — one-command set-up on a fresh machine (CPU-only is fine).
 #   make demo   : venv + install + embedded data, then train the llama3 debug model ~20 steps on CPU
 #   make demo-vl: venv + install, build the sample Qwen3-VL cache, train the tiny Qwen3-VL 20 steps on CPU
-#   make test   : venv + install, then the test suite
+#   make test   : venv + install, then the test suite (random order, HOME must stay empty)
+#   make test-alone : every test in its own pytest process (slow: ~1 h on 2 cores)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,21 +14,29 @@ PYTEST_ARGS ?=
 
 VL_CONFIG ?= train_configs/qwen3_vl_tiny_cpu.toml
 
-.PHONY: setup demo demo-resume demo-vl test test-fast lint bench clean-demo
+.PHONY: setup demo demo-resume demo-vl test test-fast test-alone lint bench clean-demo
 
 setup: $(STAMP)
 
 # torch is installed first and pinned: on a machine without a GPU the local CPU wheel of
 # torch 2.13.0 is used, so nothing pulls a multi-GB CUDA build; pyproject pins the same version.
+# Each step says what it does first (pip -q is silent for up to a few minutes).
 $(STAMP): pyproject.toml $(wildcard setup.py)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -c "from torchtitan_ext.data.embedded import ensure_embedded_data as e; print('embedded data:', e())"
-	touch $(STAMP)
+	@echo "==> set-up 1/4: virtual environment $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "==> set-up 2/4: torch 2.13.0 (the CPU build without a GPU; the largest download)"
+	@$(PY) -m pip install -q "torch==2.13.0"
+	@echo "==> set-up 3/4: torchtitan_ext + pinned dependencies (editable; compiles the BPE merge loop)"
+	@# setuptools boxes an informational note about editable installs; only that note is hidden
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[test]"
+	@echo "==> set-up 4/4: embedded corpus + its tokenizer (built once, a few seconds)"
+	@$(PY) -c "from torchtitan_ext.data.embedded import ensure_embedded_data as e; print('    ', e())"
+	@touch $(STAMP)
+	@echo "==> set-up done"
 
 demo: setup
+	@echo "==> training the llama3 debug model on CPU: $(CONFIG) (checkpoints in outputs/llama3_debug_cpu)"
 	$(PY) -m torchtitan_ext.train --config-file $(CONFIG) $(ARGS)
 
 # Continue the demo job 10 steps past its last checkpoint.
@@ -41,11 +50,20 @@ demo-vl: setup
 		--buckets 512,768 --cache-dir ./outputs/vl_cache --quiet
 	$(PY) -m torchtitan_ext.train --config-file $(VL_CONFIG) $(ARGS)
 
+# Start the demo over (its checkpoints are what `make demo` resumes from).
 clean-demo:
 	rm -rf outputs/llama3_debug_cpu outputs/qwen3_vl_tiny_cpu
 
+# The suite runs in a random order (pytest-randomly; the header prints the seed, rerun one with
+# PYTEST_ARGS=--randomly-seed=N, file order with PYTEST_ARGS="-p no:randomly"), with HOME set
+# to an empty directory that must still be empty afterwards (the suite keeps its caches in its
+# own temporary directory: tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) scripts/check_home_untouched.py -- $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Each test alone, in a fresh process (catches tests that pass only after another one).
+test-alone: setup
+	$(PY) scripts/run_tests_alone.py $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)

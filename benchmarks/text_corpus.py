@@ -33,13 +33,8 @@ import json
 import random
 from pathlib import Path
 
-from torchtitan_ext.data.embedded import (
-    SOURCES,
-    build_atomically,
-    cache_root,
-    source_text,
-    write_parquet_shards,
-)
+from torchtitan_ext.data.cachedir import build_atomically, cache_root
+from torchtitan_ext.data.embedded import SOURCES, source_text, write_parquet_shards
 
 GPT2_DIR = Path(__file__).resolve().parent / "data" / "gpt2"
 GPT2_EOT = "<|endoftext|>"
@@ -100,7 +95,7 @@ def build_corpus(
         info = {"documents": len(docs), "chars": sum(map(len, docs)), "seed": seed}
         (tmp / "info.json").write_text(json.dumps(info, indent=2))
 
-    return build_atomically(final, fill)
+    return build_atomically(final, fill, {"version": CORPUS_VERSION})
 
 
 def gpt2_tokenizer_dir(root: str | Path | None = None) -> Path:

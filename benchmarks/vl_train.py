@@ -55,10 +55,12 @@ def _worker(out: str, steps: int, warmup: int, argv: list[str]) -> None:
     cpu_compat.apply()
     import torch
 
+    from torchtitan_ext import preflight
     from torchtitan_ext.config import load_config
 
     cfg = load_config(str(TINY), argv)
     cpu_compat.adapt_config(cfg)
+    preflight.run(cfg, str(TINY))
     trainer = cfg.build()
     mp = trainer.metrics_processor
     mp.log = lambda *a, **k: None  # no log lines (and no reset of the wait list) while timing

@@ -12,12 +12,13 @@ Examples::
     # any registered loader over local files, options as --set key=value
     python scripts/verify_data_diversity.py --dataset data/train-*.parquet --tokenizer tok/ \\
         --loader streaming_text --set shuffle_buffer=64 --batches 500
-    # the seed's take()-style dataset: flagged (exit 1)
+    # a take(N)-style dataset rebuilt on every epoch (repeats data): flagged (exit 1)
     python scripts/verify_data_diversity.py --buggy-take-demo --workers 2 --batches 200
     # under torchrun: each process runs its rank, rank 0 merges and reports
     torchrun --nproc_per_node 2 scripts/verify_data_diversity.py --workers 2 --epochs 2
 
-The logic lives in :mod:`torchtitan_ext.text.diversity` (importable, tested).
+The logic lives in :mod:`torchtitan_ext.text.diversity` (importable, tested). A progress bar on
+stderr counts the batches read (``-q/--quiet``: none).
 """
 
 from __future__ import annotations
@@ -30,6 +31,27 @@ import sys
 from typing import Any
 
 from torchtitan_ext.text.diversity import BuggyTakeDataset, DiversityMeter, run_check
+
+
+class _Counted:
+    """Iterates a loader unchanged and ticks a progress bar once per batch."""
+
+    def __init__(self, loader: Any, bar: Any) -> None:
+        self.loader, self.bar = loader, bar
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.bar.update(1)
+            yield batch
+
+
+def _with_progress(make, bar):
+    return lambda rank: _Counted(make(rank), bar)
+
+
+def _say(a: argparse.Namespace, msg: str) -> None:
+    if not a.quiet:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _coerce(v: str) -> Any:
@@ -138,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument(
         "--buggy-take-demo",
         action="store_true",
-        help="run the seed's take()-style dataset instead (expected to FAIL)",
+        help="run a take(N)-style dataset that repeats data instead (expected to FAIL)",
     )
     src.add_argument("--take", type=int, default=100, help="N of the demo's take(N)")
     run = p.add_argument_group("how long / how wide")
@@ -153,12 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     thr.add_argument("--max-dup-rate", type=float, default=0.0)
     thr.add_argument("--min-coverage", type=float, default=1.0, help="for complete epochs")
     p.add_argument("--json", help="also write the report as JSON here")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     a = p.parse_args(argv)
     if a.batches is None and a.epochs is None:
         a.batches = 200
     if a.buggy_take_demo and a.workers is None:
         a.workers = 2
 
+    from torchtitan_ext import logs
+
+    logs.install()  # the same quiet log as training (torchdata's set_vital notice ...)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_ids = None
     ranks = a.ranks
@@ -167,16 +193,27 @@ def main(argv: list[str] | None = None) -> int:
 
         dist.init_process_group("gloo")
         ranks, rank_ids = world, [dist.get_rank()]
+    _say(a, "verify_data_diversity: building the loader(s) ...")
     make, num_docs, workers = build_factory(a, ranks)
-    meter = run_check(
-        make,
-        ranks,
-        workers,
-        batches=a.batches,
-        epochs=a.epochs,
-        num_documents=num_docs,
-        rank_ids=rank_ids,
-    )
+    from tqdm import tqdm
+
+    goal = f"{a.epochs} epoch(s)" if a.epochs is not None else f"{a.batches} batches per rank"
+    _say(a, f"verify_data_diversity: reading {goal} from {ranks} rank(s) x {workers} worker(s)")
+    with tqdm(
+        total=a.batches * len(rank_ids or range(ranks)) if a.batches else None,
+        unit="batch",
+        disable=a.quiet or (rank_ids is not None and rank_ids[0] != 0),
+        file=sys.stderr,
+    ) as bar:
+        meter = run_check(
+            _with_progress(make, bar),
+            ranks,
+            workers,
+            batches=a.batches,
+            epochs=a.epochs,
+            num_documents=num_docs,
+            rank_ids=rank_ids,
+        )
     if world > 1:
         import torch.distributed as dist
 

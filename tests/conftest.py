@@ -1,6 +1,8 @@
 import os
 import pathlib
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -12,6 +14,50 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The suite's own cache directories, for this process and every subprocess it starts (they
+# inherit os.environ): nothing is read from or written to the user's caches under $HOME, and
+# nothing left there by another checkout is trusted. Set at import, before any test module
+# imports a library that reads them; removed at the end of the session.
+# `make test` checks the result: run with HOME pointing at an empty directory, the suite must
+# leave nothing under it (scripts/check_home_untouched.py).
+# A process started by a test that imports this module again keeps its parent's directory.
+_OWNER = "TORCHTITAN_EXT_TESTS_CACHE_ROOT" not in os.environ
+if _OWNER:
+    os.environ["TORCHTITAN_EXT_TESTS_CACHE_ROOT"] = tempfile.mkdtemp(prefix="torchtitan_ext-tests-")
+CACHE_ROOT = pathlib.Path(os.environ["TORCHTITAN_EXT_TESTS_CACHE_ROOT"])
+_CACHE_ENV = {
+    "TORCHTITAN_EXT_CACHE": "torchtitan_ext",
+    "HF_HOME": "huggingface",
+    "HF_DATASETS_CACHE": "huggingface/datasets",
+    "XDG_CACHE_HOME": "xdg/cache",
+    "XDG_CONFIG_HOME": "xdg/config",
+    "XDG_DATA_HOME": "xdg/data",
+    "XDG_STATE_HOME": "xdg/state",
+    "TORCH_HOME": "torch",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_HOME": "triton",
+    "TRITON_CACHE_DIR": "triton/cache",
+    "MPLCONFIGDIR": "matplotlib",
+}
+for _var, _sub in _CACHE_ENV.items():
+    os.environ[_var] = str(CACHE_ROOT / _sub)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Name the random order's seed at the end too (pytest -q hides the header that shows it)."""
+    if config.pluginmanager.hasplugin("randomly") and config.getoption("randomly_reorganize"):
+        seed = config.getoption("randomly_seed", None)
+        if isinstance(seed, int):
+            terminalreporter.write_line(
+                f"random test order: --randomly-seed={seed} repeats it "
+                f"(make test PYTEST_ARGS=--randomly-seed={seed}); -p no:randomly for file order"
+            )
+
+
+def pytest_unconfigure(config):
+    if _OWNER:
+        shutil.rmtree(CACHE_ROOT, ignore_errors=True)
 
 
 def torchrun(nproc: int, *target: str) -> list[str]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import regex
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +41,23 @@ from .conftest import REPO, TEST_DATA
 DATA = TEST_DATA / "bpe"
 EOT = "<|endoftext|>"
 ENGINES = ["python"] + (["native"] if native_available() else [])
+
+
+# GPT-2's pre-tokenization pattern exactly as OpenAI published it (gpt-2 src/encoder.py), spelled
+# here on purpose rather than imported: the reference must not share code with the module.
+OPENAI_GPT2_PAT = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+
+def reference_pretokens(text: str, specials: list[str]) -> collections.Counter:
+    """Independent reference for the pre-token counts: cut at the special tokens (longest first,
+    left to right), then count OpenAI's GPT-2 pattern matches in each piece."""
+    pieces = [text]
+    if specials:
+        alternation = "|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True))
+        pieces = regex.split(alternation, text)
+    return collections.Counter(m for piece in pieces for m in OPENAI_GPT2_PAT.findall(piece))
 
 
 def _reference():
@@ -218,15 +236,35 @@ def test_specials_split_before_pretokenization():
     )
 
 
-def test_special_token_fixtures(tmp_path):
-    for name in (
-        "special_token_double_newlines_non_whitespace.txt",
-        "special_token_trailing_newlines.txt",
-    ):
-        text = (DATA / name).read_text("utf-8")
-        got = count_file_pretokens(DATA / name, [EOT], 0)
-        assert got == count_pretokens(text, [EOT])
-        assert EOT not in got
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        # "<|endoftext|>\n\ntesting!": the whitespace run before a letter leaves its last "\n"
+        # to the next match ("\s+(?!\S)"), so two single newlines
+        (
+            "special_token_double_newlines_non_whitespace.txt",
+            {"\n": 2, "testing": 1, "!": 1},
+        ),
+        ("special_token_trailing_newlines.txt", {"\n\n": 1}),  # "<|endoftext|>\n\n"
+    ],
+)
+def test_special_token_fixtures(name, expected):
+    text = (DATA / name).read_text("utf-8")
+    assert reference_pretokens(text, [EOT]) == expected  # the reference agrees with the hand count
+    assert count_pretokens(text, [EOT]) == expected
+    for workers in (0, 2):
+        assert count_file_pretokens(DATA / name, [EOT], workers) == expected
+
+
+@pytest.mark.parametrize("specials", [[], [EOT]])
+def test_pretokens_match_the_openai_pattern_on_real_text(specials):
+    text = "\n".join(
+        (DATA / n).read_text("utf-8")
+        for n in ("corpus.en", "tinystories_sample.txt", "german.txt", "address.txt")
+    )
+    want = reference_pretokens(text, specials)
+    assert count_pretokens(text, specials) == want
+    assert ("<|" in want) == (not specials)  # the sample's 5 EOTs split out, or plain text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +312,7 @@ def test_any_chunk_size_same_counts(tmp_path, pieces, chunk, si):
     assert [data[a:b] for a, b in iter_chunk_bounds(data, specials, chunk)] == chunks
     for c in chunks:
         c.decode("utf-8")  # never cut inside a UTF-8 character
-    assert count_file_pretokens(p, specials, 0, chunk_bytes=chunk) == count_pretokens(
+    assert count_file_pretokens(p, specials, 0, chunk_bytes=chunk) == reference_pretokens(
         text, specials
     )
 
@@ -292,7 +330,7 @@ def test_pool_matches_in_process(tmp_path):
     )
     p = tmp_path / "mix.txt"
     p.write_text(text, encoding="utf-8")
-    expected = count_pretokens(text, [EOT])
+    expected = reference_pretokens(text, [EOT])
     for workers, chunk in [(1, None), (2, 1000), (3, 20000)]:
         st_ = BPEStats()
         assert count_file_pretokens(p, [EOT], workers, chunk, stats=st_) == expected
@@ -464,7 +502,7 @@ def test_cli_writes_tokenizer_and_summary(tmp_path, capsys):
         [
             "--input", str(DATA / "corpus.en"), "--vocab-size", "500",
             "--special-token", EOT, "--out", str(out), "--workers", "0",
-            "--eos-token", EOT, "--no-progress",
+            "--eos-token", EOT, "--quiet",
         ]
     )  # fmt: skip
     assert rc == 0
@@ -480,7 +518,7 @@ def test_cli_writes_tokenizer_and_summary(tmp_path, capsys):
 def test_cli_errors(tmp_path, capsys):
     from torchtitan_ext.tokenizer.cli import main
 
-    base = ["--vocab-size", "300", "--out", str(tmp_path / "o"), "--no-progress"]
+    base = ["--vocab-size", "300", "--out", str(tmp_path / "o"), "--quiet"]
     assert main(["--input", str(tmp_path / "missing.txt"), *base]) == 1
     assert "missing.txt" in capsys.readouterr().err
     assert main(["--input", str(DATA / "corpus.en"), "--eos-token", "<x>", *base]) == 2

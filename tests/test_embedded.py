@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
+from torchtitan_ext.data.cachedir import MANIFEST
 from torchtitan_ext.data.embedded import (
     corpus_documents,
     ensure_embedded_data,
@@ -48,4 +49,7 @@ def test_embedded_dir_has_disjoint_train_and_val_and_a_tokenizer(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2) and tok.vocab_size == 2048
     text = "Pávlovich said: “Well, Prince!”"
     assert tok.decode(tok.encode(text, add_bos=False)) == text
-    assert ensure_embedded_data(tmp_path) == d  # built once
+    built = (d / MANIFEST).stat()
+    assert ensure_embedded_data(tmp_path) == d
+    again = (d / MANIFEST).stat()
+    assert (again.st_ino, again.st_mtime_ns) == (built.st_ino, built.st_mtime_ns)  # built once

@@ -3,7 +3,6 @@ registered loader (workers 0 and 2), --show / --render, and config errors (exit 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -47,16 +46,6 @@ def vl_cache_dir(tmp_path_factory) -> Path:
 def _loader_names() -> list[str]:
     register_loader("toy", TOY_PATH, overwrite=True)
     return sorted(set(available_loaders()) | {"toy"})
-
-
-def _skip_unless_importable(name: str) -> None:
-    """Skip ONLY while a built-in loader's module has not been written yet."""
-    entry = _BUILTIN.get(name)
-    if entry is None:
-        return
-    module = entry.split(":")[0]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"loader {name!r}: module {module} does not exist yet")
 
 
 def _config_args(name: str, vl_cache_dir: Path) -> list[str]:
@@ -220,7 +209,6 @@ def test_flatten_batch_shapes():
 def test_resume_equals_uninterrupted(name, workers, tmp_path, vl_cache_dir, capsys):
     """peek --batches 2K == (peek --batches K --save-state-after K s) + (peek --load-state s
     --batches K), bitwise, for every registered loader."""
-    _skip_unless_importable(name)
     base = _config_args(name, vl_cache_dir) + ["--num-workers", str(workers)]
     K = 3
     if workers > 0 and not _has_num_workers(name):
@@ -264,7 +252,6 @@ def test_resume_equals_uninterrupted(name, workers, tmp_path, vl_cache_dir, caps
 def test_resume_vl_torchtitan_format_uint8_pixels(tmp_path, vl_cache_dir):
     """The (input_dict, labels) VL layout with uint8 pixels (normalised later on the device),
     with workers; --no-staging shows the batches before the staging wrapper."""
-    _skip_unless_importable("cached_vl")
     base = _config_args("cached_vl", vl_cache_dir) + [
         "--dataloader.batch_format", "torchtitan", "--dataloader.normalize_on", "device",
         "--num-workers", "2", "--staging.enable",
@@ -295,9 +282,6 @@ def test_resume_vl_torchtitan_format_uint8_pixels(tmp_path, vl_cache_dir):
 def test_resume_equals_uninterrupted_with_staging(name, tmp_path, vl_cache_dir):
     """[staging] enable wraps the loader in AsyncDeviceLoader, as ExtTrainer does; its state
     accounts for the batches it has prefetched, so resume is still exact."""
-    _skip_unless_importable(name)
-    if importlib.util.find_spec("torchtitan_ext.device.staging") is None:
-        pytest.skip("torchtitan_ext.device.staging does not exist yet")
     base = _config_args(name, vl_cache_dir) + ["--staging.enable"]
     full, first, second, state = (tmp_path / n for n in ("f.npz", "a.npz", "b.npz", "s"))
     assert main([*base, "--batches", "4", "--out", str(full)]) == 0
@@ -336,7 +320,6 @@ def test_out_file_metadata_readable_without_pickle(tmp_path):
 
 
 def test_dp_ranks_see_different_data(tmp_path):
-    _skip_unless_importable("streaming_text")
     outs = []
     for r in (0, 1):
         out = tmp_path / f"r{r}.npz"
@@ -361,7 +344,6 @@ def test_dp_ranks_see_different_data(tmp_path):
 
 def test_validator_loader(tmp_path, capsys):
     """--validator builds [validator.dataloader] (its own offset) instead of the train loader."""
-    _skip_unless_importable("streaming_text")
     cfg = ["--config-file", str(CONFIGS / "peek_streaming_text.toml"), "--batches", "1"]
     tr, va = tmp_path / "train.npz", tmp_path / "val.npz"
     assert main([*cfg, "--out", str(tr)]) == 0
@@ -377,7 +359,6 @@ def test_validator_loader(tmp_path, capsys):
 
 
 def test_vl_batches_pixels_and_sha256(tmp_path, vl_cache_dir):
-    _skip_unless_importable("cached_vl")
     base = _config_args("cached_vl", vl_cache_dir) + ["--batches", "1"]
     raw, sha = tmp_path / "raw.npz", tmp_path / "sha.npz"
     assert main([*base, "--out", str(raw)]) == 0
@@ -397,7 +378,6 @@ def test_vl_batches_pixels_and_sha256(tmp_path, vl_cache_dir):
 
 # ============================================================ --show / --render
 def test_show_marks_documents_masks_and_fill(capsys, vl_cache_dir):
-    _skip_unless_importable("cached_vl")
     rc = main(
         _config_args("cached_vl", vl_cache_dir) + ["--batches", "1", "--show", "--color", "never"]
     )
@@ -410,7 +390,6 @@ def test_show_marks_documents_masks_and_fill(capsys, vl_cache_dir):
 
 
 def test_show_text_loader(capsys):
-    _skip_unless_importable("parquet_prefetch")
     rc = main(
         [
             "--config-file",
@@ -452,7 +431,6 @@ def test_render_text_strips(tmp_path):
 
 
 def test_render_vl_pack_picture(tmp_path, vl_cache_dir):
-    _skip_unless_importable("cached_vl")
     from PIL import Image
 
     out = tmp_path / "vl.png"
@@ -466,7 +444,6 @@ def test_render_vl_pack_picture(tmp_path, vl_cache_dir):
 
 
 def test_render_text_loader(tmp_path):
-    _skip_unless_importable("streaming_text")
     out = tmp_path / "t.png"
     rc = main(
         [
@@ -491,7 +468,6 @@ def test_unknown_loader_is_config_error(tmp_path, capsys):
 
 
 def test_missing_dataset_path_names_the_key(tmp_path, capsys):
-    _skip_unless_importable("parquet_prefetch")
     missing = tmp_path / "nowhere"
     rc = main(
         [
@@ -528,7 +504,6 @@ def test_out_files_are_zip_npz(tmp_path):
 # ============================================================ CLI smoke
 @pytest.mark.integration
 def test_cli_smoke(tmp_path):
-    _skip_unless_importable("streaming_text")
     cmd = [
         sys.executable,
         "-m",

@@ -326,6 +326,24 @@ def test_state_dict_is_pickle_free_and_cheap_to_copy(data_dir, tok):
         other.load_state_dict(state)
 
 
+@pytest.mark.parametrize(
+    "key,value", [("batch_size", 3), ("seq_len", 65), ("dp_rank", 1), ("dp_world_size", 3)]
+)
+def test_resume_refuses_another_batch_size_seq_len_or_dp_layout(data_dir, tok, key, value):
+    """A resumed data stream cannot change shape: the state of a (batch 2, seq 64, rank 0 of 2)
+    loader is refused by a loader that differs in any one of them, naming the key."""
+    base = dict(batch_size=2, seq_len=64, dp_rank=0, dp_world_size=2)
+    with _loader(data_dir, tok, **base) as a:
+        next(a)
+        state = a.state_dict()
+    with _loader(data_dir, tok, **{**base, key: value}) as b:
+        with pytest.raises(ValueError, match=rf"{key}={base[key]}.*{key}={value}"):
+            b.load_state_dict(state)
+        assert b.get_stats()["docs_read"] == 0  # nothing of the refused state was applied
+    with _loader(data_dir, tok, **base) as same:
+        same.load_state_dict(state)  # the control: an identical loader takes it
+
+
 # ---------------------------------------------------------------------------- torchtitan glue
 def _glue_cfg(data_dir, **kw):
     from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
@@ -446,6 +464,7 @@ def test_text_loaders_benchmark_quick_smoke(tmp_path, monkeypatch):
         assert rows[f"tokens/s wall {name}"].value > 0
     assert rows["wait share ours"].unit == "%"
     assert "next() p99 ours slow storage" in rows
+    assert rows["state snapshot ours"].value > 0 and rows["state snapshot ours"].unit == "ms"
     assert "loop time lost ours, normal priority" in rows
     assert {f"wait share CPU-bound loop, {p}" for p in ("adaptive", "idle", "normal")} <= set(rows)
 

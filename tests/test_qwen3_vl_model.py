@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("torchtitan")
 transformers = pytest.importorskip("transformers")
 
+from torchtitan_ext import preflight  # noqa: E402
 from torchtitan_ext.config import ConfigError, load_config  # noqa: E402
 from torchtitan_ext.models.qwen3_vl import flavors as fl  # noqa: E402
 from torchtitan_ext.models.qwen3_vl.model import (  # noqa: E402
@@ -38,7 +39,7 @@ def env(tmp_path_factory):
     from torchtitan_ext.vl.cache import VLCache
 
     with sample_cache(tmp_path_factory, "qwen3_vl_model") as s:
-        yield {"root": s["root"], "cache": Path(s["path"]), "vl": VLCache.open(s["path"])}
+        yield {**s, "cache": Path(s["path"]), "vl": VLCache.open(s["path"])}
 
 
 def job(tmp_path: Path, body: str = "", assets: Path | None = None, **model: str) -> Path:
@@ -49,6 +50,25 @@ def job(tmp_path: Path, body: str = "", assets: Path | None = None, **model: str
     p = tmp_path / "job.toml"
     p.write_text(f"{top}[model]\n{head}\n" + textwrap.dedent(body))
     return p
+
+
+def checked(path: Path):
+    """The config as ``python -m torchtitan_ext.train`` sees it: loaded, then preflight."""
+    cfg = load_config(path)
+    preflight.run(cfg, str(path))
+    return cfg
+
+
+def own_checks(path: Path):
+    """Only qwen3_vl's preflight checks (where a generic check would object first)."""
+    from torchtitan_ext.models.qwen3_vl.preflight import check, check_format_owner
+
+    cfg = load_config(path)
+    job = preflight.Job(cfg, str(path))
+    check_format_owner(job)
+    if cfg.model.module == "qwen3_vl":
+        check(job)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------- flavors
@@ -198,11 +218,11 @@ batch_format = "qwen3_vl"
 
 
 def test_tiny_job_config_loads(tmp_path, env):
-    cfg = load_config(job(tmp_path, "[training]\nseq_len = 1024\n" + LOADER))
+    cfg = checked(job(tmp_path, "[training]\nseq_len = 1024\n" + LOADER))
     assert cfg.model_spec.name == "qwen3_vl" and cfg.model_spec.flavor == "debugmodel"
     assert cfg.dataloader.model_path is None  # offline processor: the sample cache's key
     assert Path(cfg.hf_assets_path, "preprocessor_config.json").is_file()
-    moe = load_config(job(tmp_path, LOADER, flavor="debugmodel_moe"))
+    moe = checked(job(tmp_path, LOADER, flavor="debugmodel_moe"))
     assert moe.model_spec.model.hf_config["text_config"]["num_experts"] == 4
 
 
@@ -236,7 +256,7 @@ def test_tiny_job_config_loads(tmp_path, env):
 )
 def test_job_errors(tmp_path, env, body, model, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(job(tmp_path, body, **model))
+        own_checks(job(tmp_path, body, **model))
 
 
 def _copy_cache(env, tmp_path: Path, **special: int) -> Path:
@@ -253,18 +273,18 @@ def test_cache_tokens_must_fit_the_model(tmp_path, env):
     body = LOADER + f'cache_path = "{cache}"\n[training]\nseq_len = 1024\n'
     with pytest.raises(ConfigError, match=r"cache_path .* image_id cache=700 model=572.*; token "
                        r"ids \{'image_pad_id': 700\} >= the model's vocab_size 640"):  # fmt: skip
-        load_config(job(tmp_path, body))
+        checked(job(tmp_path, body))
     ok = LOADER + f'cache_path = "{env["cache"]}"\n[training]\nseq_len = 1024\n'
-    load_config(job(tmp_path, ok))
+    checked(job(tmp_path, ok))
 
 
 def test_pack_length_must_be_the_caches(tmp_path, env):
     body = LOADER + f'cache_path = "{env["cache"]}"\n[training]\nseq_len = 512\n'
     with pytest.raises(ConfigError, match=r"\[training\] seq_len = 512 but .* holds packs of 1024"):
-        load_config(job(tmp_path, body))
+        checked(job(tmp_path, body))
     body = LOADER + f'cache_path = "{env["cache"]}"\npack_seq_len = 2048\n'
     with pytest.raises(ConfigError, match=r"\[dataloader\] pack_seq_len = 2048"):
-        load_config(job(tmp_path, body))
+        checked(job(tmp_path, body))
 
 
 @pytest.fixture(scope="module")
@@ -279,46 +299,54 @@ def hf_dir(env):
     return out
 
 
-def test_processor_and_tokenizer_come_from_hf_assets_path(tmp_path, env, hf_dir):
+def test_the_cache_is_tokenized_by_the_models_own_processor(tmp_path, env, hf_dir):
+    """One name: hf_assets_path holds the model, its tokenizer and its processor; the loader's
+    model_path left unset follows it (and falls back to the offline processor without one)."""
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader, processor_path
+
     ck = "[checkpoint]\nenable = true\ninitial_load_in_hf = true\n"
-    cfg = load_config(job(tmp_path, LOADER + ck, hf_dir))
-    assert cfg.dataloader.model_path == str(hf_dir)
-    other = LOADER + f'model_path = "{env["root"] / "home"}"\n' + ck
-    with pytest.raises(ConfigError, match=r"\[dataloader\] model_path = .* differs from hf_assets"):
-        load_config(job(tmp_path, other, hf_dir))
+    cfg = checked(job(tmp_path, LOADER + ck, hf_dir))
+    assert cfg.dataloader.model_path is None
+    assert processor_path(None, cfg.hf_assets_path) == str(hf_dir)
+    assert processor_path("/x", str(hf_dir)) == "/x"
+    assert processor_path(None, str(tmp_path)) is None
+    tok = type("Tok", (), {"tokenizer_path": str(hf_dir)})()
+    loader = CachedVLDataLoader.Config(
+        dataset_path=str(env["data"]), cache_dir=str(env["root"] / "cache"), buffer_size=8,
+        buckets=[512, 768], batch_format="qwen3_vl", build_if_missing=True,
+    ).build(tokenizer=tok, seq_len=1024, local_batch_size=1)  # fmt: skip
+    assert loader.model_path == str(hf_dir) and loader.source == "cache"
 
 
 def test_weights_in_hf_assets_path_must_be_loaded(tmp_path, hf_dir):
     with pytest.raises(ConfigError, match=r"holds weights .* initial_load_in_hf = true"):
-        load_config(job(tmp_path, LOADER, hf_dir))
+        checked(job(tmp_path, LOADER, hf_dir))
     load_only = "[checkpoint]\nenable = true\ninitial_load_in_hf = true\nload_only = true\n"
-    load_config(job(tmp_path, LOADER + load_only, hf_dir))
+    checked(job(tmp_path, LOADER + load_only, hf_dir))
     with pytest.raises(ConfigError, match=r"initial_load_in_hf = true but .* no \*.safetensors"):
-        load_config(job(tmp_path, LOADER + load_only))
+        checked(job(tmp_path, LOADER + load_only))
 
 
 def test_config_json_must_match_the_flavor(tmp_path, hf_dir):
     body = LOADER + "[checkpoint]\nenable = true\ninitial_load_in_hf = true\n"
     with pytest.raises(ConfigError, match=r"flavor 'debugmodel_moe' does not match hf_assets_path"):
-        load_config(job(tmp_path, body, hf_dir, flavor="debugmodel_moe"))
+        checked(job(tmp_path, body, hf_dir, flavor="debugmodel_moe"))
 
 
 @pytest.mark.parametrize(
     "name, flavor", [("qwen3_vl_real.toml", "30B-A3B"), ("qwen3_vl_8b.toml", "8B")]
 )
-def test_gpu_configs_are_real_jobs_whose_only_blanks_are_paths(name, flavor, monkeypatch):
+def test_gpu_configs_are_real_jobs_whose_only_blanks_are_paths(name, flavor):
     import re
 
-    import torchtitan_ext.config as config_mod
     from tests.conftest import REPO
 
     path = REPO / "train_configs" / name
     values = [ln.split("#")[0] for ln in path.read_text().splitlines()]
     blanks = [ln.split("=")[0].strip() for ln in values if "/path/to" in ln]
     assert sorted(blanks) == ["cache_dir", "hf_assets_path"]
-    with pytest.raises(ConfigError, match=r"hf_assets_path '/path/to/.*' is not a directory"):
-        load_config(path)
-    monkeypatch.setattr(config_mod, "model_checks", lambda cfg, file: None)
+    with pytest.raises(ConfigError, match=r"hf_assets_path = '/path/to/.*' is not a directory"):
+        checked(path)
     cfg = load_config(path)
     assert (cfg.model_spec.name, cfg.model_spec.flavor) == ("qwen3_vl", flavor)
     assert cfg.training.seq_len == 8192 and cfg.training.mixed_precision_param == "bfloat16"
@@ -328,10 +356,7 @@ def test_gpu_configs_are_real_jobs_whose_only_blanks_are_paths(name, flavor, mon
     assert re.fullmatch(r"HuggingFaceM4/VQAv2", cfg.dataloader.dataset)
 
 
-def test_reflavoured_gpu_config_keeps_its_loss(tmp_path, monkeypatch):
-    import torchtitan_ext.config as config_mod
-
-    monkeypatch.setattr(config_mod, "model_checks", lambda cfg, file: None)
+def test_reflavoured_gpu_config_keeps_its_loss(tmp_path):
     cfg = load_config(job(tmp_path, config="qwen3_vl_30b_a3b", flavor="235B-A22B"))
     assert cfg.model_spec.flavor == "235B-A22B" and cfg.staging.enable
     assert type(cfg.loss).__qualname__ == "ChunkedLossWrapper.Config"

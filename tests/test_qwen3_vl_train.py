@@ -199,3 +199,24 @@ def test_hf_weights_through_a_toml_give_the_hf_models_logits(
         r = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert r["max_abs_dlogit"] <= 1e-5, r
         assert r["logit_scale"] > 0.5, r  # real logits, not an all-zero model
+
+
+def test_launcher_refuses_a_bad_job_before_building_anything(shared, tmp_path):
+    """Through the real launcher: a batch format that does not match the model is a one-line
+    config error (exit 2) before any model, cache or process group exists."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHTITAN_EXT_CACHE=str(shared["home"]))
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtitan_ext.train", "--config-file", str(TINY)]
+        + ["--dataloader.batch_format", "torchtitan", "--dump_folder", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert (
+        "config error:" in out.stderr and "batch_format = 'torchtitan' does not match" in out.stderr
+    )
+    assert "Building qwen3_vl" not in out.stdout + out.stderr
+    assert not (tmp_path / "checkpoint").exists()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import collections
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -14,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import REPO
 from torchtitan_ext.device.normalize import normalize_pixels, normalized_shape
 from torchtitan_ext.device.staging import (
     AsyncDeviceLoader,
@@ -355,6 +359,39 @@ def test_no_threads_left_after_break_gc_and_context_manager():
         next(iter(w2))
     assert not w2.threads_alive()
     assert set(threading.enumerate()) <= before
+
+
+@pytest.mark.parametrize("mode", ["auto", "staged"])
+def test_interpreter_exit_stops_the_threads(mode):
+    """A wrapper never closed, its fetch thread blocked on a full queue (and, staged, its stage
+    thread waiting): at interpreter exit the threads are stopped and joined, not killed
+    mid-copy as daemons."""
+    script = textwrap.dedent(
+        f"""
+        import itertools, time, torch
+        from torchtitan_ext.device import staging
+        original_close = staging._Pipeline.close
+        def close(self):
+            original_close(self)
+            alive = [t.name for t in self.threads if t.is_alive()]
+            print("closed at exit; threads alive:", alive, flush=True)
+        staging._Pipeline.close = close
+        batches = ({{"input": torch.full((2, 4), i)}} for i in itertools.count())
+        w = staging.AsyncDeviceLoader(batches, "cpu", num_buffers=2, mode={mode!r})
+        next(w)
+        deadline = time.monotonic() + 30
+        while not w._pipe.ready.full() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the fetch thread has its next batch and waits in put()
+        print("ok" if w._pipe.ready.full() else "queue never filled", flush=True)
+        # no close(): the interpreter exits with the fetch thread blocked on a full queue
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-2:] == ["ok", "closed at exit; threads alive: []"]
 
 
 # ------------------------------------------------------------------------- buffer pool logic

@@ -6,13 +6,12 @@ import logging
 
 import numpy as np
 import pytest
+import tiktoken  # noqa: F401  - pinned dependency: a missing one fails here, never skips
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from tests.conftest import REPO
 from torchtitan_ext.data.embedded import EOS_TOKEN, ensure_embedded_data, iter_texts
 from torchtitan_ext.text.tokenize import PROBE_TEXTS, TextTokenizer
-
-pytest.importorskip("tiktoken")
 
 
 @pytest.fixture(scope="module")

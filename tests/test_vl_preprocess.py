@@ -116,12 +116,11 @@ def test_inspect_table_and_json(built, capsys):
     assert 0 < s["ratio_vs_float32"] <= 0.125
 
 
-def test_inspect_verify_names_corrupt_file(env, tmp_path, capsys):
+def test_inspect_verify_names_corrupt_file(built, tmp_path, capsys):
     import shutil
 
-    k = tmp_path / "copy"
-    shutil.copytree(env["root"] / "c", k)
-    (kdir,) = [p for p in k.iterdir() if p.is_dir()]
+    kdir = tmp_path / "copy" / built.name
+    shutil.copytree(built, kdir)
     assert I.main(["--cache-dir", str(kdir), "--verify"]) == 0
     assert "verify: OK" in capsys.readouterr().out
     f = kdir / "shards" / "00001" / "label_mask.memmap"

@@ -38,12 +38,32 @@ What each shim does (in the order the failures appear on a CPU box):
    stand-ins are taken out of ``sys.modules`` again right after, so a later ``find_spec`` or
    ``import`` anywhere else sees the truth. Calling one raises (the GatedDeltaNet layers, and
    torchtitan's own image decoding), naming the missing package.
+8. Parameter dtype. torchtitan trains in bfloat16 by default (``training.mixed_precision_param``,
+   ``configs.py:85``; FSDP casts the parameters, ``llama3/parallelize.py:83``). A CPU without
+   native bf16 matrix instructions (AVX2-only x86) runs bf16 matmuls on a slow emulated path:
+   measured 2x slower than float32 for the debug model, 5-70x slower than a native-bf16 CPU.
+   :func:`cpu_param_dtype` picks ``"bfloat16"`` only where the CPU has them (x86
+   ``avx512_bf16`` / ``amx_bf16``, aarch64 ``bf16``) and torch may use them, else
+   ``"float32"``. It is a *default* (set in the config's defaults layer), so
+   ``training.mixed_precision_param`` in the TOML or on the command line still wins;
+   :func:`adapt_config` logs the decision once.
+9. ``torchtitan/tools/utils.py:141`` ``get_peak_flops`` runs ``lspci`` (absent on most CPU
+   hosts: a warning) and falls back to an A100's 312 TFLOPS for an unknown device (another
+   warning, and an MFU column that means nothing on a CPU). There is no published peak for a
+   CPU, so it returns NaN here without either warning; ``ExtTrainer`` then shows ``mfu: N/A``.
+10. Under torchrun, torchtitan's ``init_distributed`` (``distributed/utils.py:505``) warns that
+   it overrides each NCCL flight-recorder variable torchrun already set
+   (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` ...). No NCCL runs on a CPU, so they are dropped first.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import math
+import os
+import platform
 import sys
 import types
 from typing import Any
@@ -313,6 +333,90 @@ def _import_qwen3_5() -> None:
                 del sys.modules[name]
 
 
+# ------------------------------------------------------------------------------ 8. parameter dtype
+_X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _cpu_flags() -> set[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo (x86 "flags", aarch64 "Features")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(val.split())
+    except OSError:  # not Linux: no flags known, so no native bf16 is assumed
+        pass
+    return set()
+
+
+@functools.cache
+def bf16_matmul_support() -> tuple[bool, str]:
+    """(whether this CPU multiplies bf16 matrices natively, the reason in words)."""
+    flags = _cpu_flags()
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        found = ["bf16"] if "bf16" in flags else []
+    else:
+        found = [f for f in _X86_BF16_FLAGS if f in flags]
+    if not found:
+        return False, f"this CPU has no native bf16 matmul (no {'/'.join(_X86_BF16_FLAGS)} flag)"
+    # torch can be told not to use them: oneDNN (CPU matmuls) by ONEDNN_MAX_CPU_ISA, its own
+    # kernels by ATEN_CPU_CAPABILITY; mkldnn_bf16 support reflects the oneDNN limit.
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if isa != "ALL" and "BF16" not in isa and "AMX" not in isa:
+        return False, f"native bf16 ({', '.join(found)}) disabled by ONEDNN_MAX_CPU_ISA={isa}"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, f"native bf16 ({', '.join(found)}) not usable by this torch build"
+    return True, f"this CPU has native bf16 matmul ({', '.join(found)})"
+
+
+def cpu_param_dtype() -> str:
+    """``"bfloat16"`` where bf16 matmuls are native, else ``"float32"`` (the CPU default)."""
+    return "bfloat16" if bf16_matmul_support()[0] else "float32"
+
+
+def _dtype_note(config: Any) -> str:
+    chosen = config.training.mixed_precision_param
+    native, why = bf16_matmul_support()
+    if chosen == cpu_param_dtype():
+        return f"training in {chosen}: {why}"
+    if chosen == "bfloat16":
+        return (
+            f"training in bfloat16 as configured, although {why}: steps are slower than in "
+            "float32 (the default here)"
+        )
+    return f"training in {chosen} as configured ({why}; bfloat16 is the default here)"
+
+
+# ------------------------------------------------------------------------------- 9. peak flops
+def _patch_peak_flops() -> None:
+    import torchtitan.tools.utils as tt_utils
+
+    if getattr(tt_utils.get_peak_flops, "__cpu_compat__", False):
+        return
+
+    def get_peak_flops(device_name: str) -> float:
+        return math.nan  # no published peak for a CPU: MFU is reported as N/A
+
+    get_peak_flops.__cpu_compat__ = True  # type: ignore[attr-defined]
+    tt_utils.get_peak_flops = get_peak_flops
+
+
+# ----------------------------------------------------------------------------- 10. NCCL variables
+_NCCL_ENV = (
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE",
+)
+
+
+def _drop_nccl_env() -> None:
+    for name in _NCCL_ENV:
+        os.environ.pop(name, None)
+
+
 def apply() -> bool:
     """Install every import-time shim if CUDA is absent. Idempotent. Returns whether applied."""
     global _applied
@@ -325,14 +429,16 @@ def apply() -> bool:
     _patch_set_timeout()
     _patch_fsdp_sum_reduction()
     _import_qwen3_5()
+    _patch_peak_flops()
+    _drop_nccl_env()
     _applied = True
     log.info("torchtitan_ext.cpu_compat: CPU shims applied (no CUDA device)")
     return True
 
 
 def adapt_config(config: Any) -> list[str]:
-    """Config-level shims (4-6) for a ``Trainer.Config`` about to run on CPU. Returns a list of
-    human-readable changes (logged by the launcher). No-op with CUDA."""
+    """Config-level shims (4-7) for a ``Trainer.Config`` about to run on CPU. Returns a list of
+    human-readable changes and decisions (logged once by the launcher). No-op with CUDA."""
     if not needed():
         return []
     changes: list[str] = []
@@ -363,6 +469,7 @@ def adapt_config(config: Any) -> list[str]:
     if not config.training.disable_cuda_graphs:
         config.training.disable_cuda_graphs = True
         changes.append("training.disable_cuda_graphs: True")
+    changes.append(_dtype_note(config))
     if config.comm.init_timeout_seconds < 600:
         # gloo start-up on a loaded 2-core box can be slow; a generous timeout avoids flakes.
         config.comm.init_timeout_seconds = 600

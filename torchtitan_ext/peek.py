@@ -53,7 +53,6 @@ buffer): 46 ms / 13 ms, 1.8 MB; long int lists go to int64 arrays (encode 27 ms 
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import logging
@@ -380,9 +379,9 @@ def _json_safe(v: Any) -> Any:
 # =========================================================================== building the loader
 def loader_name(loader_cfg: Any) -> str:
     """The registry name of a loader Config (its class name if unregistered)."""
-    from torchtitan_ext.registry import loader_name_of
+    from torchtitan_ext.preflight import loader_name as name
 
-    return loader_name_of(loader_cfg) or type(loader_cfg).__qualname__
+    return name(loader_cfg)
 
 
 def set_num_workers(loader_cfg: Any, num_workers: int, section: str = "dataloader") -> None:
@@ -399,26 +398,6 @@ def set_num_workers(loader_cfg: Any, num_workers: int, section: str = "dataloade
             "not use DataLoader worker processes"
         )
     loader_cfg.num_workers = num_workers
-
-
-_PATH_KEYS = ("dataset_path", "tokenizer_path", "cache_path", "model_path")
-
-
-def check_paths(loader_cfg: Any, file: str = "<config>", section: str = "dataloader") -> None:
-    """Fail early, naming the key, for a local path of the loader Config that does not exist
-    (``dataset_path``, ``tokenizer_path``, ``cache_path``, ``model_path``; globs must match)."""
-    for key in _PATH_KEYS:
-        val = getattr(loader_cfg, key, None)
-        if not val:
-            continue
-        s = str(val)
-        exists = bool(glob.glob(s)) if any(c in s for c in "*?[") else Path(s).exists()
-        if not exists:
-            raise PeekConfigError(
-                f"{file}: {section}.{key} = {s!r} does not exist "
-                f"(loader {loader_name(loader_cfg)!r}); fix [{section}] {key} or pass "
-                f"--{section}.{key} PATH"
-            )
 
 
 def close_loader(loader: Any) -> None:
@@ -490,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu_compat.apply()
     from torchtitan_ext.config import ConfigError, config_to_dict, load_config
+    from torchtitan_ext.preflight.paths import check_loader_paths
 
     save_after: int | None = None
     try:
@@ -519,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PeekConfigError(f"{ns.config_file}: --validator: no [validator.dataloader]")
         if ns.num_workers is not None:
             set_num_workers(target, ns.num_workers, section)
-        check_paths(target, str(ns.config_file), section)
+        check_loader_paths(target, str(ns.config_file), section)
         if ns.load_state is not None and not Path(ns.load_state).is_file():
             raise PeekConfigError(f"--load-state {ns.load_state}: file not found")
         if not 0 <= ns.dp_rank < ns.dp_world_size:
@@ -547,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
         if ns.load_state is not None:
             loader.load_state_dict(load_state(ns.load_state))
         shower = view = None
+        # one header for --show and --render: which config, loader and rank the batches are
+        header = (
+            f"{ns.config_file}  [{section}] loader={name}  dp_rank={ns.dp_rank}/"
+            f"{ns.dp_world_size}  seq_len={cfg.training.seq_len}  "
+            f"local_batch_size={cfg.training.local_batch_size}"
+        )
         if ns.show or ns.render:
             from torchtitan_ext.peek_render import BatchView, Shower
 
@@ -554,11 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             if ns.show:
                 color = ns.color == "always" or (ns.color == "auto" and sys.stdout.isatty())
                 shower = Shower(view, color=color, max_chars=ns.max_chars)
-                print(
-                    f"peek: {ns.config_file}  [{section}] loader={name}  dp_rank={ns.dp_rank}/"
-                    f"{ns.dp_world_size}  seq_len={cfg.training.seq_len}  "
-                    f"local_batch_size={cfg.training.local_batch_size}"
-                )
+                print(f"peek: {header}")
         if save_after == 0:
             save_state(loader.state_dict(), ns.save_state_after[1])
         batches: list[dict[str, np.ndarray]] = []
@@ -582,7 +564,12 @@ def main(argv: list[str] | None = None) -> int:
                 from torchtitan_ext.peek_render import render_batch
 
                 out = render_batch(
-                    view, flatten_batch(batch), ns.render, index=i, state_before=state_before
+                    view,
+                    flatten_batch(batch),
+                    ns.render,
+                    index=i,
+                    state_before=state_before,
+                    header=header,
                 )
                 print(f"peek: rendered batch {i} -> {out}")
             if save_after is not None and save_after == i + 1:

@@ -14,15 +14,18 @@ loader made it:
   counted per batch by the loaders, so that is as fine as the stats allow.
 
 ``--render``: text batches as one coloured strip per row (a colour per document, masked positions
-paler, BOS black / EOS red ticks, pad grey), with document numbers and a decoded snippet; VL batches
+paler, BOS black / EOS red ticks, pad grey), with document names and a decoded snippet; VL batches
 from a cache are drawn with the pack picture of ``inspect-cache`` (``vl/render.py``), one per pack,
-stacked; without a cache the strip picture is used with image tokens orange. Drawing is PIL only
-(~10-50 ms per batch).
+stacked; without a cache the strip picture is used with image tokens orange. Names match
+``--show`` (``batch i row r``, ``doc k``); the title names the config, loader, rank and batch. Text
+is drawn in the shipped DejaVu Sans (accents, Greek, Cyrillic ... render as letters, not boxes).
+Drawing is PIL only (~10-50 ms per batch).
 """
 
 from __future__ import annotations
 
 import colorsys
+import functools
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -342,40 +345,82 @@ STRIP_COLORS = {
 }
 
 
+FONT_FILE = Path(__file__).parent / "data" / "fonts" / "DejaVuSans.ttf"
+
+
+@functools.cache
+def font(size: int) -> Any:
+    """DejaVu Sans at ``size`` px (shipped: Latin-1 and beyond, Greek, Cyrillic, Hebrew, Arabic
+    ...), or PIL's own scalable font where FreeType is missing."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.truetype(str(FONT_FILE), size)
+    except (OSError, ImportError):  # no FreeType in this PIL build
+        return ImageFont.load_default(size)
+
+
+def _fit(text: str, fnt: Any, room: float) -> str:
+    """``text`` cut to fit ``room`` pixels in ``fnt`` (an ellipsis marks the cut)."""
+    if fnt.getlength(text) <= room:
+        return text
+    lo, hi = 0, len(text)
+    while lo < hi:  # longest prefix that fits with the ellipsis
+        mid = (lo + hi + 1) // 2
+        if fnt.getlength(text[:mid] + "…") <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo] + "…" if lo else ""
+
+
 def render_strips(
-    view: BatchView, flat: Mapping[str, Any], out: str | Path, title: str = "", width: int = 1400
+    view: BatchView,
+    flat: Mapping[str, Any],
+    out: str | Path,
+    title: str = "",
+    width: int = 1400,
+    index: int = 0,
 ) -> Path:
     """Rows as coloured strips: a colour per document (pale where the label is -100), BOS black
-    tick, EOS red tick, pad grey, image tokens orange; document numbers and a text snippet."""
+    tick, EOS red tick, pad grey, image tokens orange; under each document its name as ``--show``
+    prints it (``doc k``) and a decoded snippet. ``title``: lines above the picture."""
     from PIL import Image, ImageDraw
 
+    f_title, f_row, f_label = font(17), font(15), font(13)
     infos = row_infos(view, flat)
     toks = view.tokens(flat)
     toks = toks if toks.ndim == 2 else toks[None]
-    margin, line_h, strip_h = 12, 34, 16  # line_h leaves room for the labels under a strip
+    margin, strip_h = 14, 18
+    line_h = strip_h + 24  # a strip and the labels under it
     L = max(i.length for i in infos)
     cell = max(2, min(24, (width - 2 * margin) // max(L, 1)))
     per_line = max(1, (width - 2 * margin) // cell)
     lines_per_row = -(-L // per_line)
-    row_block = 18 + lines_per_row * line_h + 14
-    height = 40 + len(infos) * row_block + 40
+    row_block = 24 + lines_per_row * line_h + 12
+    title_lines = [t for t in title.splitlines() if t]
+    top = 14 + 24 * len(title_lines) + 8
+    height = top + len(infos) * row_block + 40
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
-    d.text((margin, 10), title, fill="black")
-    y = 34
+    for k, line in enumerate(title_lines):
+        d.text((margin, 12 + 24 * k), _fit(line, f_title, width - 2 * margin), "black", f_title)
+    y = top
     for info in infos:
         row = toks[info.row]
         colors = _doc_colors(len(info.starts))
         doc_of = np.zeros(info.length, dtype=np.int64)
-        for k, s in enumerate(info.starts):
-            doc_of[s:] = k
+        for k, st in enumerate(info.starts):
+            doc_of[st:] = k
+        pad = info.length - info.valid
         d.text(
             (margin, y),
-            f"row {info.row}: {len(info.starts)} docs, fill {info.fill_pct:.1f}% "
-            f"({info.valid}/{info.length}), masked {info.masked}",
+            f"batch {index} row {info.row}: {len(info.starts)} docs · fill {info.fill_pct:.1f}% "
+            f"({info.valid}/{info.length}, pad {pad}) · masked {info.masked}",
             fill="black",
+            font=f_row,
         )
-        y += 18
+        y += 24
         for j in range(info.length):
             r, c = divmod(j, per_line)
             x0, y0 = margin + c * cell, y + r * line_h
@@ -394,25 +439,21 @@ def render_strips(
                 d.rectangle(
                     [x1 - max(1, cell // 3), y0 - 3, x1, y0 + strip_h + 3], fill=(220, 0, 0)
                 )
-        # document labels: number + a decoded snippet where the strip is wide enough
+        # document labels: "doc k" + a decoded snippet where the strip is wide enough
         bounds = [*info.starts, info.valid]
         for k, (a, b) in enumerate(pairwise(bounds)):
             r, c = divmod(a, per_line)
             x0 = margin + c * cell
-            y0 = y + r * line_h + strip_h + 1
-            room = min(b - a, per_line - c) * cell
-            if room < 14:
+            y0 = y + r * line_h + strip_h + 3
+            room = min(b - a, per_line - c) * cell - 4
+            label = f"doc {k}"
+            if room < f_label.getlength(label):
                 continue
-            label = f"d{k}"
-            if room > 60:
-                ids = [
-                    int(t) for t, kd in zip(row[a:b], info.kinds[a:b], strict=True) if kd == TEXT
-                ]
-                snippet = " ".join(view.decode(ids[:24]).split())
-                label += " " + snippet
-            max_chars = max(1, room // 6)
-            d.text((x0 + 1, y0), label[:max_chars], fill=(60, 60, 60))
-        y += lines_per_row * line_h + 14
+            ids = [int(t) for t, kd in zip(row[a:b], info.kinds[a:b], strict=True) if kd == TEXT]
+            snippet = " ".join(view.decode(ids[:48]).split())
+            label = _fit(f"{label}  {snippet}" if snippet else label, f_label, room)
+            d.text((x0 + 1, y0), label, fill=(50, 50, 50), font=f_label)
+        y += lines_per_row * line_h + 12
     # legend
     x = margin
     legend = [
@@ -425,9 +466,9 @@ def render_strips(
     if view.image_ids:
         legend += [("image", STRIP_COLORS[IMAGE]), ("vision start/end", STRIP_COLORS[VISION])]
     for name, col in legend:
-        d.rectangle([x, y, x + 12, y + 10], fill=col)
-        d.text((x + 16, y), name, fill="black")
-        x += 28 + 7 * len(name)
+        d.rectangle([x, y + 2, x + 14, y + 14], fill=col)
+        d.text((x + 19, y), name, fill="black", font=f_label)
+        x += 36 + int(f_label.getlength(name))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     img.save(out)
@@ -472,36 +513,46 @@ def render_batch(
     out: str | Path,
     index: int = 0,
     state_before: Any = None,
+    header: str = "",
 ) -> Path:
-    """Draw batch ``index``: VL packs from a cache with inspect-cache's pack picture (stacked),
-    everything else as strips."""
-    toks = view.tokens(flat)
-    n_rows = toks.shape[0] if toks.ndim == 2 else 1
-    found = vl_pack_indices(view.loader, state_before, n_rows) if view.image_ids else None
-    if found is not None:
-        from PIL import Image
-
-        from torchtitan_ext.vl.render import render_pack
-
-        cache, indices = found
-        with tempfile.TemporaryDirectory() as tmp:
-            parts = [
-                Image.open(render_pack(cache, i, Path(tmp) / f"{n}.png")).convert("RGB")
-                for n, i in enumerate(indices)
-            ]
-            w = max(p.width for p in parts)
-            canvas = Image.new("RGB", (w, sum(p.height for p in parts) + 8 * len(parts)), "white")
-            y = 0
-            for p in parts:
-                canvas.paste(p, (0, y))
-                y += p.height + 8
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        canvas.save(out)
-        return out
-    title = f"batch {index}: " + "  ".join(
+    """Draw batch ``index``: VL packs from a cache with inspect-cache's pack picture (stacked,
+    each headed ``batch i row r``), everything else as strips. ``header`` (the config, loader and
+    rank, as ``peek --show`` prints them) heads the picture."""
+    shapes = "  ".join(
         f"{k} {list(_np(v).shape)}"
         for k, v in flat.items()
         if hasattr(v, "shape") and "pixel" not in k
     )
-    return render_strips(view, flat, out, title=title)
+    title = f"{header}\nbatch {index}: {shapes}" if header else f"batch {index}: {shapes}"
+    toks = view.tokens(flat)
+    n_rows = toks.shape[0] if toks.ndim == 2 else 1
+    found = vl_pack_indices(view.loader, state_before, n_rows) if view.image_ids else None
+    if found is None:
+        return render_strips(view, flat, out, title=title, index=index)
+    from PIL import Image, ImageDraw
+
+    from torchtitan_ext.vl.render import render_pack
+
+    cache, indices = found
+    f_title, f_row = font(17), font(15)
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = [
+            Image.open(render_pack(cache, i, Path(tmp) / f"{n}.png")).convert("RGB")
+            for n, i in enumerate(indices)
+        ]
+    lines = title.splitlines()
+    w = max(p.width for p in parts)
+    top = 12 + 24 * len(lines)
+    canvas = Image.new("RGB", (w, top + sum(p.height + 30 for p in parts)), "white")
+    d = ImageDraw.Draw(canvas)
+    for k, line in enumerate(lines):
+        d.text((12, 10 + 24 * k), _fit(line, f_title, w - 24), "black", f_title)
+    y = top
+    for row, (p, pack) in enumerate(zip(parts, indices, strict=True)):
+        d.text((12, y + 4), f"batch {index} row {row} (cache pack {pack})", "black", f_row)
+        canvas.paste(p, (0, y + 26))
+        y += p.height + 30
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(out)
+    return out

@@ -6,14 +6,21 @@
 
 Without torchrun, a single-process job gets the rendezvous environment torchtitan expects
 (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a free ``MASTER_PORT`` on localhost), so the plain
-``python -m`` form works. ``--help`` lists every section, ours included, with their docs.
-``--print-config`` prints the merged config as JSON and exits.
+``python -m`` form works. ``--help`` lists every section, ours included, with their docs and the
+values this config would use. ``--print-config`` prints the merged config as JSON on stdout (the
+log goes to stderr) and exits.
+
+Before the model is built, :mod:`torchtitan_ext.preflight` checks the data, tokenizer and
+checkpoint the config points to. Exit codes: 0 trained (or nothing left to train: the checkpoint
+already reached ``training.steps``, said in one line), 2 a config error (one line ``config error:
+...`` naming the key and the fix, printed by rank 0), anything else a failure while training.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -44,6 +51,10 @@ def parse_launcher_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]
     return p.parse_known_args(argv)
 
 
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns, rest = parse_launcher_args(argv)
@@ -54,23 +65,39 @@ def main(argv: list[str] | None = None) -> int:
     cpu_compat.apply()
     from torchtitan.tools.logging import init_logger, logger
 
+    from torchtitan_ext import logs, preflight
     from torchtitan_ext.config import ConfigError, config_to_dict, load_config
 
     init_logger()
+    if ns.print_config:  # stdout carries the JSON only
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler):
+                h.setStream(sys.stderr)
     if "-h" in rest or "--help" in rest:
         # tyro prints every section (torchtitan's and ours) with field docstrings, then exits.
         load_config(ns.config_file, rest)
         return 0
+    file = str(ns.config_file) if ns.config_file else "<no config file>"
     try:
         config = load_config(ns.config_file, rest)
+        logs.configure(config)
+        for change in cpu_compat.adapt_config(config):
+            logger.info(f"cpu_compat: {change}")
+        if ns.print_config:
+            print(json.dumps(config_to_dict(config), indent=2))
+            return 0
+        logger.info("preflight: checking data, tokenizer and checkpoint before building the model")
+        job = preflight.run(config, file)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if _is_rank0():
+            print(f"config error: {e}", file=sys.stderr)
         return 2
-    for change in cpu_compat.adapt_config(config):
-        logger.info(f"cpu_compat: {change}")
-    if ns.print_config:
-        print(json.dumps(config_to_dict(config), indent=2))
+    except preflight.JobComplete as e:
+        if _is_rank0():
+            print(f"nothing to do: {e}", file=sys.stderr)
         return 0
+    for note in job.notes:
+        logger.info(f"preflight: {note}")
     return run(config)
 
 

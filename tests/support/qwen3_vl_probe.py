@@ -4,18 +4,18 @@
     python -m tests.support.qwen3_vl_probe logits OUT.json --config-file X.toml [...]   (torchrun ok)
 
 Both build ``ExtTrainer`` from the config exactly like ``python -m torchtitan_ext.train`` (same
-config layering, same cpu_compat, same model build / parallelize / init), then feed batches the
-way ``Trainer.forward_backward_step`` does: tensors to the device, ``post_dataloading_process``,
+config layering, cpu_compat and preflight, same model build / parallelize / init), then feed
+batches the way ``Trainer.forward_backward_step`` does: tensors to the device, ``post_dataloading_process``,
 ``model_parts[0](inputs, **extra_kwargs)``, ``loss_fn(pred, labels, global_valid_tokens)``.
 
 - ``pack``: a pack with several samples and images, run packed, then each of its samples alone
   (cut out of the pack by token ranges, with only its own images); writes the worst logit
   difference and the packed vs per-sample losses.
-Test-only flavors (:data:`TEST_FLAVORS`) are added to the flavor table of this process.
-
 - ``logits``: loads the HF checkpoint in ``hf_assets_path`` through the trainer's checkpointer,
   runs one pack, and compares with ``transformers``' ``from_pretrained`` of the same directory on
   the same pack (``batch_format = "hf"`` collate); every rank writes ``OUT.rank{r}.json``.
+
+Test-only flavors (``tests.support.qwen3_vl_flavors``) join the flavor table of this process.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ def build_trainer(argv: list[str]) -> Any:
     from torchtitan_ext import cpu_compat
 
     cpu_compat.apply()
+    from torchtitan_ext import preflight
     from torchtitan_ext.config import load_config
 
     cfg = load_config(ns.config_file, rest)
     cpu_compat.adapt_config(cfg)
+    preflight.run(cfg, str(ns.config_file))
     return cfg.build()
 
 

@@ -21,23 +21,23 @@ Layout written by :func:`ensure_embedded_parquet` (in the cache directory)::
       tokenizer/tokenizer.json, tokenizer_config.json   (byte-level BPE, vocab 2048, trained by
                                                         torchtitan_ext.train_bpe)
 
-The cache directory is ``$TORCHTITAN_EXT_CACHE`` or ``~/.cache/torchtitan_ext``. Building it takes
-~2 s on a 2-core machine and happens once; writers use a temporary
-directory and an atomic rename, so concurrent first uses (torchrun ranks) are safe.
+The cache directory is :func:`torchtitan_ext.data.cachedir.cache_root` (``$TORCHTITAN_EXT_CACHE``,
+else ``$XDG_CACHE_HOME/torchtitan_ext`` or ``~/.cache/torchtitan_ext``). Building it takes ~2 s on
+a 2-core machine and happens once: the directory carries a manifest (sizes, SHA-256, build
+parameters) and is rebuilt when it no longer matches it (see :mod:`torchtitan_ext.data.cachedir`).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import os
 import random
 import re
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+
+from torchtitan_ext.data.cachedir import build_atomically, cache_root
 
 FORMAT_VERSION = 3  # 2: tokenizer trained by our BPE trainer; 3: mojibake repaired
 SOURCES = ("war_and_peace.txt.gz", "tinyshakespeare.txt.gz")
@@ -46,12 +46,6 @@ EOS_TOKEN = "<|end_of_text|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 DEFAULT_VOCAB_SIZE = 2048
-
-
-def cache_root() -> Path:
-    """Where derived data (Parquet shards, tokenizers, VL caches) is written."""
-    env = os.environ.get("TORCHTITAN_EXT_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "torchtitan_ext"
 
 
 # A UTF-8 multi-byte sequence mis-decoded as cp1252 / Latin-1 ("Ã¡" for "á", "Ã‰" for "É"): a
@@ -117,27 +111,6 @@ def corpus_documents(seed: int = 0, median_chars: int = 1600, sigma: float = 1.1
     return docs
 
 
-def build_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Build directory ``final`` once: ``fill(tmp)`` writes into a temporary sibling, a ``DONE``
-    marker is added and the directory is renamed into place. Concurrent builders (torchrun
-    ranks) race harmlessly: the loser drops its identical copy. Returns ``final``."""
-    if (final / "DONE").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    fill(tmp)
-    (tmp / "DONE").write_text("ok\n")
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        # Another process won the race and renamed its identical copy first; ours is redundant,
-        # so dropping it loses nothing.
-        if not (final / "DONE").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def write_parquet_shards(
     docs: list[str], out_dir: Path, prefix: str, num_shards: int, rows_per_group: int
 ) -> list[Path]:
@@ -188,6 +161,12 @@ def ensure_embedded_data(
     """Build (once) and return the embedded dataset directory (Parquet + tokenizer/)."""
     root = Path(root) if root is not None else cache_root()
     final = root / f"embedded_text_v{FORMAT_VERSION}_s{num_shards}_g{rows_per_group}"
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "num_shards": num_shards,
+        "rows_per_group": rows_per_group,
+        "val_fraction": val_fraction,
+    }
 
     def fill(tmp: Path) -> None:
         docs = corpus_documents()
@@ -204,7 +183,7 @@ def ensure_embedded_data(
         }
         (tmp / "info.json").write_text(json.dumps(info, indent=2))
 
-    return build_atomically(final, fill)
+    return build_atomically(final, fill, meta)
 
 
 def embedded_tokenizer_dir(root: str | Path | None = None) -> Path:

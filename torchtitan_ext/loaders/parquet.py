@@ -20,6 +20,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
+from torchtitan_ext.text.tokenize import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,14 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         text_column: str = "text"
         """Parquet column holding the document text (string, or UTF-8 binary)."""
 
-        split: str = "train"
+        split: Literal["train", "val"] = "train"
         """``"train"`` or ``"val"``. Use ``"val"`` for the validator's dataloader."""
 
         val_files: str = "auto"
         """Validation files: ``"auto"`` (``val*`` files, else the last shard), ``"last_shard"``,
-        ``"none"`` or a dir/glob. Always subtracted from the training files (no overlap)."""
+        ``"none"`` or a dir/glob. Always subtracted from the training files (no overlap), also
+        when the validator is off; the log names the files held out and the rule that chose
+        them."""
 
         infinite: bool = True
         """Cycle epochs forever (training). ``False``: one pass, then the iterator ends. Required
@@ -61,7 +64,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         shuffle: bool = True
         """Reshuffle each rank's row groups every epoch (``False``: file order)."""
 
-        packing: str = "best_fit"
+        packing: Literal["best_fit", "zero_discard", "concat_split"] = "best_fit"
         """``"best_fit"`` (BOS-aligned, crop the shortest), ``"zero_discard"`` (cropped tails
         re-enter with their own BOS) or ``"concat_split"`` (plain concatenation)."""
 
@@ -93,12 +96,17 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         process may switch back (``CAP_SYS_NICE``), else normal. ``"idle"``: always idle; ``"normal"``: never
         touched."""
 
-        on_bad_input: str = "error"
+        on_bad_input: Literal["error", "skip"] = "error"
         """``"error"``: raise on a bad record (naming file / row group / row); ``"skip"``: count
         it under a reason (see ``get_stats()['docs_skipped']``)."""
 
         add_eos: bool = False
         """Also append EOS to each document (BOS is always prefixed)."""
+
+        bos_token: str | None = None
+        """The token string that starts every document and row (BOS), e.g. ``"<|endoftext|>"``
+        for a tokenizer that declares none (``train-tokenizer`` output without
+        ``--bos-token``). None: the tokenizer's own (``bos_token`` in tokenizer_config.json)."""
 
     def __init__(
         self,
@@ -129,6 +137,8 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
                 path = root
             if tok is None:
                 tok = root / "tokenizer"
+        if config.bos_token is not None:
+            tok = TextTokenizer.coerce(tok, bos_token=config.bos_token)
         self.config = config
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import BaseDataLoader
@@ -86,7 +86,7 @@ class StreamingTextDataLoader(StatefulDataLoader, BaseDataLoader):
         """If set, each iteration over the loader yields exactly this many batches (a fixed-size
         evaluation); the next iteration continues the stream."""
 
-        on_bad_input: str = "error"
+        on_bad_input: Literal["error", "skip"] = "error"
         """``"error"``: raise naming file and row; ``"skip"``: count the record with its reason."""
 
         add_bos: bool = False
@@ -95,7 +95,7 @@ class StreamingTextDataLoader(StatefulDataLoader, BaseDataLoader):
         encode_batch: int = 32
         """Documents per batched tokenizer call."""
 
-        text_sample_by: str = "paragraph"
+        text_sample_by: Literal["line", "paragraph", "document"] = "paragraph"
         """For .txt sources: one document per "line", "paragraph" or "document" (file)."""
 
         emit_doc_ids: bool = False

@@ -33,9 +33,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import DataLoader
 from torchtitan.components.dataloader import BaseDataLoader
@@ -52,6 +52,17 @@ from torchtitan_ext.vl.dataset import CachedVLDataset, advance
 from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning, open_packs
 
 logger = logging.getLogger(__name__)
+
+
+def processor_path(model_path: str | None, hf_assets_path: str | None) -> str | None:
+    """The processor that tokenizes the cache: ``model_path``; unset, the model's own directory
+    (the trainer's ``hf_assets_path``) when it holds a Qwen3-VL processor; else None (the
+    embedded offline processor). The path itself is not part of the cache key, its contents are."""
+    if model_path:
+        return model_path
+    if hf_assets_path and (Path(hf_assets_path) / "preprocessor_config.json").is_file():
+        return str(hf_assets_path)
+    return None
 
 
 class CachedVLDataLoader(BaseDataLoader):
@@ -83,7 +94,7 @@ class CachedVLDataLoader(BaseDataLoader):
         ``seq_len`` the cache was built with — it is part of the key."""
 
         buffer_size: int = 64
-        """Samples the best-fit packer chooses from (part of the key; seed 004 used 64-75)."""
+        """Samples the best-fit packer chooses from (part of the key)."""
 
         buckets: list[int] | None = None
         """Allowed padded pack lengths (each <= pack_seq_len); None: every pack is padded to
@@ -91,7 +102,9 @@ class CachedVLDataLoader(BaseDataLoader):
 
         model_path: str | None = None
         """Qwen3-VL model/processor directory (tokenizer + preprocessor config); None: the
-        embedded offline processor (tests/CPU demo). Its fingerprint is part of the key."""
+        model's own, i.e. the trainer's ``hf_assets_path`` when it holds a processor
+        (``preprocessor_config.json``), else the embedded offline processor (tests/CPU demo).
+        Its fingerprint is part of the key."""
 
         max_samples: int | None = None
         """Use only the first N rows of the split (part of the key)."""
@@ -129,18 +142,18 @@ class CachedVLDataLoader(BaseDataLoader):
         infinite: bool = True
         """Loop over epochs forever; False: stop after one epoch (validation)."""
 
-        remainder: str = "drop"
+        remainder: Literal["drop", "wrap"] = "drop"
         """Equal steps per rank when the pack count is not a multiple of the DP degree:
         "drop" skips the last (N mod W) packs of each epoch's permutation (different ones each
         epoch), "wrap" completes the last round from the start of the permutation."""
 
-        batch_format: str = "torchtitan"
+        batch_format: Literal["torchtitan", "hf", "qwen3_vl"] = "torchtitan"
         """"torchtitan": ``(input_dict, labels)`` with MultiModalCollator keys (labels shifted);
         "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...);
         "qwen3_vl": ``(input_dict, labels)`` for the ``qwen3_vl`` model module (the "hf" tensors
         under torchtitan's names, labels shifted)."""
 
-        normalize_on: str = "collate"
+        normalize_on: Literal["collate", "device"] = "collate"
         """"collate": float pixel_values built on the CPU; "device": pixel_values stay uint8 and are
         normalised after the host-to-device copy (AsyncDeviceLoader, or ``finish_on_device``)."""
 
@@ -199,9 +212,10 @@ class CachedVLDataLoader(BaseDataLoader):
         self.pack_seq_len = int(pack_len)
 
         t0 = time.perf_counter()
+        self.model_path = processor_path(cfg.model_path, getattr(tokenizer, "tokenizer_path", None))
         self._check_model_tokenizer(tokenizer)
         packs = open_packs(
-            cfg,
+            cfg if self.model_path == cfg.model_path else replace(cfg, model_path=self.model_path),
             seq_len=self.pack_seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
@@ -253,10 +267,10 @@ class CachedVLDataLoader(BaseDataLoader):
         else:
             from torchtitan_ext.vl.processor import load_processor, special_token_ids
 
-            special = special_token_ids(load_processor(cfg.model_path))
+            special = special_token_ids(load_processor(self.model_path))
             cache_from = (
-                f"the VL cache's processor (dataloader.model_path={cfg.model_path})"
-                if cfg.model_path
+                f"the VL cache's processor ({self.model_path})"
+                if self.model_path
                 else "the VL cache's processor (dataloader.model_path unset: the embedded "
                 "offline processor)"
             )

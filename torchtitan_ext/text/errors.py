@@ -80,6 +80,12 @@ class BadInputError(ValueError):
         return where(self.file, self.row_group, self.row, self.key)
 
 
+class NoUsableDocuments(ValueError):
+    """A whole pass over a stream's data yielded no usable document (every record skipped, or
+    nothing to read): an endless stream would spin through empty epochs forever, so it stops with
+    this error, which names the files and the skip counts."""
+
+
 class SkipLog:
     """Counts skipped records per reason and keeps the first ``max_examples`` locations of each.
 

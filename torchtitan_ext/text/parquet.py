@@ -20,9 +20,10 @@ fixed for the whole run, so ranks never read each other's rows (disjoint) and ev
 an owner (complete). Each rank's stream then cycles *its own* row groups epoch after epoch, each
 epoch in an order reshuffled by ``(seed, epoch)``; a rank with fewer row groups simply starts its
 next epoch earlier, so uneven counts never leave a rank without data while the others wait in a
-collective. A rank that would own no row group at all fails loudly at construction, naming the
-counts — we do not "borrow" another rank's row groups, because that would silently break
-disjointness.
+collective. A rank that would own no row group at all, or only empty ones, fails loudly at
+construction, naming the counts — we do not "borrow" another rank's row groups, because that
+would silently break disjointness. An endless stream whose whole epoch yields no usable document
+raises :class:`~torchtitan_ext.text.errors.NoUsableDocuments` instead of cycling forever.
 
 Cursor. The position in a rank's stream is three ints ``(epoch, index in the epoch order, row in
 the row group)``; :meth:`ParquetSource.iter_chunks` restarts from any cursor exactly, which is
@@ -40,6 +41,8 @@ kept open (LRU).
 Bad input is handled per :mod:`torchtitan_ext.text.errors`: a missing column, NULL or non-string
 values, empty documents, invalid UTF-8 (binary columns are decoded strictly) and unreadable files
 or row groups raise :class:`BadInputError` naming file / row group / row, or are counted as skips.
+Text columns may be plain, large, view or dictionary-encoded strings or binaries
+(:mod:`torchtitan_ext.text.columns`).
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +63,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from torchtitan_ext.text.errors import BadInputError, OnBadInput, check_on_bad_input, where
+from torchtitan_ext.text.columns import as_text, text_kind
+from torchtitan_ext.text.errors import (
+    BadInputError,
+    NoUsableDocuments,
+    OnBadInput,
+    check_on_bad_input,
+    where,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,45 +94,69 @@ def _expand(spec: str | os.PathLike | list) -> list[Path]:
     raise FileNotFoundError(f"no such Parquet file, directory or glob: {s!r}")
 
 
-def list_split(
-    path: str | os.PathLike | list, split: str = "train", val_files: str = "auto"
-) -> list[Path]:
-    """The files of ``split`` ("train" or "val"); see the module docstring for ``val_files``."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+@dataclass(frozen=True)
+class SplitFiles:
+    """The files of both splits and the rule that chose the validation files (for the log)."""
+
+    train: list[Path]
+    val: list[Path]
+    rule: str
+
+
+def split_files(path: str | os.PathLike | list, val_files: str = "auto") -> SplitFiles:
+    """Both splits of ``path``; see the module docstring for ``val_files``. The training split
+    may be empty here (:func:`list_split` refuses that)."""
     files = _expand(path)
     if not files:
         raise FileNotFoundError(f"no Parquet files match {path!r}")
     if val_files == "none":
         val: list[Path] = []
+        rule = "val_files='none': no validation files"
     elif val_files == "auto":
         val = [f for f in files if f.name.lower().startswith("val")]
+        rule = "val_files='auto': the files named val*"
         if not val and len(files) >= 2:
             val = [files[-1]]
+            rule = "val_files='auto': no file is named val*, so the last shard in sorted order"
+        elif not val:
+            rule = "val_files='auto': a single file and none named val*, so no validation files"
     elif val_files == "last_shard":
         if len(files) < 2:
             raise ValueError(
                 f"val_files='last_shard' needs at least 2 shards, {path!r} has {len(files)}"
             )
         val = [files[-1]]
+        rule = "val_files='last_shard': the last shard in sorted order"
     else:
         val = _expand(val_files)
         if not val:
             raise FileNotFoundError(f"val_files={val_files!r} matches no Parquet file")
+        rule = f"val_files={val_files!r}"
     val_set = {f.resolve() for f in val}
+    train = [f for f in files if f.resolve() not in val_set]
+    return SplitFiles(train, sorted(val), rule)
+
+
+def list_split(
+    path: str | os.PathLike | list, split: str = "train", val_files: str = "auto"
+) -> list[Path]:
+    """The files of ``split`` ("train" or "val"); see the module docstring for ``val_files``."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    files = split_files(path, val_files)
     if split == "val":
-        if not val:
+        if not files.val:
             raise ValueError(
                 f"no validation split for {path!r} (val_files={val_files!r}); set val_files to a "
                 "glob or 'last_shard'"
             )
-        return sorted(val)
-    train = [f for f in files if f.resolve() not in val_set]
-    if not train:
+        return files.val
+    if not files.train:
         raise ValueError(
-            f"the training split of {path!r} is empty after holding out validation files {val}"
+            f"the training split of {path!r} is empty after holding out validation files "
+            f"{[str(f) for f in files.val]}"
         )
-    return train
+    return files.train
 
 
 @dataclass(frozen=True)
@@ -142,6 +177,23 @@ class Chunk:
     """(reason, where, count) for each skipped record or range."""
     cursor_after: tuple[int, int, int] = (0, 0, 0)
     """Stream position right after this chunk: (epoch, index in epoch order, row)."""
+
+
+@dataclass
+class _EpochTally:
+    """What one epoch of a rank's stream yielded (for the no-usable-document check). ``whole``:
+    the stream started at the epoch's first row (a resumed, partial epoch proves nothing)."""
+
+    whole: bool
+    rows: int = 0
+    docs: int = 0
+    skips: Counter = field(default_factory=Counter)
+
+    def add(self, chunk: Chunk) -> None:
+        self.rows += chunk.rows_read
+        self.docs += len(chunk.texts)
+        for reason, _, n in chunk.skips:
+            self.skips[reason] += n
 
 
 class ParquetSource:
@@ -208,11 +260,27 @@ class ParquetSource:
                 all_groups.append(RowGroup(f, i, md.row_group(i).num_rows))
         self.total_row_groups = len(all_groups)
         self.row_groups = all_groups[dp_rank::dp_world_size]
+        unreadable = (
+            f" ({len(self.unreadable_files)} unreadable file(s) skipped)"
+            if self.unreadable_files
+            else ""
+        )
         if not self.row_groups:
             raise ValueError(
                 f"dp_rank {dp_rank} of {dp_world_size} gets no row group: the {split} split has "
-                f"{len(all_groups)} row group(s) in {len(self.files)} file(s) and every rank needs "
-                f"at least one (write the shards with smaller row groups, or use fewer DP ranks)"
+                f"{len(all_groups)} row group(s) in {len(self.files)} file(s){unreadable} and every "
+                f"rank needs at least one (write the shards with smaller row groups, or use fewer "
+                f"DP ranks)"
+            )
+        if self.rows_per_epoch == 0:
+            # Its stream would never yield a row: stop here rather than spin (or leave the other
+            # ranks waiting in a collective).
+            raise ValueError(
+                f"dp_rank {dp_rank} of {dp_world_size} gets only empty row groups: its "
+                f"{len(self.row_groups)} row group(s) in {self._files_named()} have 0 rows (the "
+                f"{split} split has {sum(g.num_rows for g in all_groups)} rows in "
+                f"{len(all_groups)} row group(s){unreadable}); drop the empty shards or use "
+                f"fewer DP ranks"
             )
         # A few open files, least recently used evicted: a rank may own thousands of shards,
         # and keeping all open would exhaust file descriptors.
@@ -232,6 +300,12 @@ class ParquetSource:
     @property
     def rows_per_epoch(self) -> int:
         return sum(g.num_rows for g in self.row_groups)
+
+    def _files_named(self, limit: int = 3) -> str:
+        """This rank's files, for messages: the first few, then how many more."""
+        files = sorted({g.file for g in self.row_groups})
+        more = f" and {len(files) - limit} more" if len(files) > limit else ""
+        return ", ".join(files[:limit]) + more
 
     # ------------------------------------------------------------------ reading
     def _file(self, path: str) -> pq.ParquetFile:
@@ -284,12 +358,7 @@ class ParquetSource:
             )
             return None
         typ = col.type
-        if not (
-            pa.types.is_string(typ)
-            or pa.types.is_large_string(typ)
-            or pa.types.is_binary(typ)
-            or pa.types.is_large_binary(typ)
-        ):
+        if text_kind(typ) is None:
             # Checked per column, not per row: every value has the column's type.
             self._bad(
                 f"column type is {typ}, expected a string (or UTF-8 binary) column",
@@ -306,23 +375,13 @@ class ParquetSource:
         self, g: RowGroup, col: pa.ChunkedArray, start: int, stop: int, skips: list
     ) -> list[str]:
         """Validated texts of rows ``[start, stop)`` of ``g``; bad rows raise or are skipped."""
-        is_bin = pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)
-        values = col.slice(start, stop - start).to_pylist()
         out: list[str] = []
-        for k, v in enumerate(values):
-            if v is None:
-                self._bad("NULL value", "null", g, start + k, 1, skips)
-                continue
-            if is_bin:
-                try:
-                    v = v.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    self._bad(f"invalid UTF-8 ({e})", "invalid_utf8", g, start + k, 1, skips)
-                    continue
-            if not v:
-                self._bad("empty document", "empty", g, start + k, 1, skips)
-                continue
-            out.append(v)
+        for k, v in enumerate(col.slice(start, stop - start).to_pylist()):
+            text = as_text(v)
+            if type(text) is str:
+                out.append(text)
+            else:
+                self._bad(text.message, text.reason, g, start + k, 1, skips)
         return out
 
     def _positions(self, epoch: int, pos: int) -> Iterator[tuple[int, int, RowGroup]]:
@@ -337,17 +396,27 @@ class ParquetSource:
         self,
         cursor: tuple[int, int, int] = (0, 0, 0),
         thread_init: Callable[[], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> Iterator[Chunk]:
         """Chunks from ``cursor`` on; infinite unless ``infinite=False`` (then one epoch).
 
         With ``read_ahead > 0`` the next row groups are read by ``read_ahead`` helper threads
         while the caller tokenizes the current one (consumed in order): Parquet reads release the
-        GIL, so slow storage is hidden while ``read_ahead`` reads outpace tokenization. The helper is shut
-        down when the generator is closed (or garbage-collected). ``thread_init`` runs first in
-        each helper thread (the prefetching loader uses it to set their scheduling policy)."""
+        GIL, so slow storage is hidden while ``read_ahead`` reads outpace tokenization. The
+        helpers are shut down when the generator is closed (or garbage-collected). ``thread_init``
+        runs first in each helper thread (the prefetching loader uses it to set their scheduling
+        policy). Once ``stop`` is set the stream ends at the next row group or chunk, also while
+        waiting for a read; its shutdown cancels the reads not started and waits for those in
+        flight (at most ``read_ahead``), so that no thread outlives it.
+
+        An infinite stream raises :class:`NoUsableDocuments` at the end of a whole epoch that
+        yielded no usable document (every row skipped, or every row group empty), naming the
+        files and the skip counts, instead of cycling through empty epochs forever. A finite pass
+        simply ends; its chunks carry every skip."""
         epoch, pos, row = (int(x) for x in cursor)
         if not self.infinite and epoch > 0:
             return
+        stop = stop if stop is not None else threading.Event()
         positions = self._positions(epoch, pos)
         pool = (
             ThreadPoolExecutor(
@@ -359,8 +428,9 @@ class ParquetSource:
             else None
         )
         pending: deque[tuple[int, int, RowGroup, Future | None]] = deque()
+        epoch_tally = _EpochTally(whole=pos == 0 and row == 0)
         try:
-            while True:
+            while not stop.is_set():
                 while len(pending) <= self.read_ahead:
                     nxt = next(positions, None)
                     if nxt is None:
@@ -370,24 +440,54 @@ class ParquetSource:
                 if not pending:
                     return
                 epoch, pos, g, fut = pending.popleft()
-                skips: list[tuple[str, str, int]] = []
-                col = self._load(g, skips, fut)
-                if col is None:  # whole row group skipped (counted as its remaining rows)
-                    reason, loc, _ = skips[0]
-                    after = self._normalize((epoch, pos + 1, 0))
-                    yield Chunk([], g.num_rows - row, [(reason, loc, g.num_rows - row)], after)
-                    row = g.num_rows
-                while row < g.num_rows:
-                    stop = min(row + self.chunk_rows, g.num_rows)
-                    skips = []
-                    texts = self._texts(g, col, row, stop, skips)
-                    n, row = stop - row, stop
-                    after = (epoch, pos + 1, 0) if row >= g.num_rows else (epoch, pos, row)
-                    yield Chunk(texts, n, skips, self._normalize(after))
+                while fut is not None and not fut.done():
+                    # Waiting for a read: a stop ends the generator now, whose shutdown then
+                    # cancels the reads not yet started (not after this one returns).
+                    if stop.is_set():
+                        return
+                    wait_futures([fut], timeout=0.05)
+                for chunk in self._row_group_chunks(epoch, pos, g, fut, row):
+                    epoch_tally.add(chunk)
+                    yield chunk
+                    if stop.is_set():
+                        return
                 row = 0
+                if pos == len(self.row_groups) - 1:  # the epoch is complete
+                    if self.infinite and epoch_tally.whole and epoch_tally.docs == 0:
+                        raise NoUsableDocuments(self._no_documents_message(epoch, epoch_tally))
+                    epoch_tally = _EpochTally(whole=True)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    def _row_group_chunks(
+        self, epoch: int, pos: int, g: RowGroup, fut: Future | None, row: int
+    ) -> Iterator[Chunk]:
+        """The chunks of row group ``g`` (at ``pos`` of ``epoch``'s order) from ``row`` on."""
+        skips: list[tuple[str, str, int]] = []
+        col = self._load(g, skips, fut)
+        if col is None:  # whole row group skipped (counted as its remaining rows)
+            reason, loc, _ = skips[0]
+            after = self._normalize((epoch, pos + 1, 0))
+            yield Chunk([], g.num_rows - row, [(reason, loc, g.num_rows - row)], after)
+            return
+        while row < g.num_rows:
+            end = min(row + self.chunk_rows, g.num_rows)
+            skips = []
+            texts = self._texts(g, col, row, end, skips)
+            n, row = end - row, end
+            after = (epoch, pos + 1, 0) if row >= g.num_rows else (epoch, pos, row)
+            yield Chunk(texts, n, skips, self._normalize(after))
+
+    def _no_documents_message(self, epoch: int, tally: _EpochTally) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(tally.skips.items())) or "none"
+        return (
+            f"dp_rank {self.dp_rank} of {self.dp_world_size}: epoch {epoch} of the {self.split} "
+            f"split read all {len(self.row_groups)} row group(s) of this rank in "
+            f"{self._files_named()} and got no usable document ({tally.rows} rows read; skipped: "
+            f"{counts}). An endless stream would cycle through them forever without a batch: fix "
+            f"the data or text_column={self.text_column!r}, or use fewer DP ranks."
+        )
 
     def _normalize(self, cursor: tuple[int, int, int]) -> tuple[int, int, int]:
         e, p, r = cursor

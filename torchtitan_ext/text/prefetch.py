@@ -1,7 +1,7 @@
 """PrefetchingParquetLoader: Parquet row groups -> background read, batched tokenization and
 BOS-aligned packing -> bounded queue of ready batches -> ``({"input", "positions"}, labels)``.
 
-Why a thread (not processes). The expensive step, tokenization, runs in Rust (the verified
+Why a thread (not processes). The expensive step, tokenization, runs in Rust (the proven
 tiktoken engine of :class:`~torchtitan_ext.text.tokenize.TextTokenizer`, or ``tokenizers``'
 ``encode_batch``) and releases the GIL, and so do pyarrow's Parquet reads; one background thread
 therefore overlaps them with the training loop, on another core, without pickling documents
@@ -29,8 +29,15 @@ Pipeline and its invariants:
   consumer's), and a note names the thread. Bad input (``BadInputError``) therefore surfaces with
   file / row group / row.
 * **Shutdown** — ``close()``, ``with loader:`` and a ``weakref.finalize`` (which also runs at
-  interpreter exit) set a stop event (which also ends a producer's sleep on a full queue), clear
-  the queue, and join the thread. The thread holds no reference to the loader, so dropping the loader stops it too.
+  interpreter exit) set a stop event, clear the queue, and join the thread. Every loop of the
+  producer and of the source checks the event (also a sleep on a full queue and a wait for a
+  read), and the source's read-ahead threads end with the producer (reads not started are
+  cancelled), so ``close()`` waits at most for the reads in flight; a thread still alive after
+  its timeout (a read that never returns) is logged with where it is blocked. The thread holds
+  no reference to the loader, so dropping the loader stops it too.
+* **End of data** — a finite pass ends with the state after its last row (the counts include
+  rows read after the last batch); an endless stream whose whole epoch yields no usable document
+  raises :class:`~torchtitan_ext.text.errors.NoUsableDocuments` from ``next()``.
 * **Exact resume** — with every batch the producer queues a *snapshot* of its state right after
   that batch: the source cursor (epoch, row group, row) of the last chunk it read, a shallow copy
   of the packer's buffer (~20 us for 1000 documents; the document arrays are shared, never
@@ -64,10 +71,13 @@ long-tailed corpus, B=8, T=2048; ranges over three full runs):
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,6 +91,8 @@ from torchtitan_ext.text.packing import PACKING_MODES, BestFitPacker, ConcatSpli
 from torchtitan_ext.text.parquet import ParquetSource
 from torchtitan_ext.text.priority import PRIORITY_MODES, ThreadGroupPriority
 from torchtitan_ext.text.tokenize import TextTokenizer
+
+logger = logging.getLogger(__name__)
 
 STATE_VERSION = 3
 # Releases the GIL and offers the CPU (no-op where the OS has no sched_yield); see _Producer._feed.
@@ -213,12 +225,19 @@ class _ReadyQueue:
 
 @dataclass
 class _End:
-    """The (finite) source is exhausted and every row has been emitted."""
+    """The (finite) source is exhausted and every row has been emitted. ``snap``: the state at
+    the end of the pass, which counts the rows read (and skipped) after the last batch."""
+
+    snap: _Snapshot
 
 
 @dataclass
 class _Failure:
     exc: BaseException
+    snap: _Snapshot | None = None
+    """The state when the error was raised, where it is one a batch boundary could have had
+    (between chunks, no row of the next batch taken): its counts include the rows read up to
+    the error. None otherwise."""
 
 
 class _Producer:
@@ -251,6 +270,8 @@ class _Producer:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.busy_s = 0.0  # time spent reading + tokenizing + packing (for get_stats)
+        self._ended = False  # the (finite) source is exhausted
+        self._between_batches = False
         # Snapshots the consumer has moved past. Freeing one (a list and a dict of ~buffer_docs
         # entries) took ~35 us of the training loop's next(); appended here instead, they are
         # freed by this thread.
@@ -285,53 +306,46 @@ class _Producer:
             self.skips.skip(reason, loc, n)
         self.cursor = chunk.cursor_after
 
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(
+            self.cursor, self.packer.snapshot(), dict(self.counters), self.skips.as_dict()
+        )
+
     def _run(self) -> None:
         self.priority.join_current_thread()
-        chunks = self.source.iter_chunks(self.cursor, thread_init=self.priority.join_current_thread)
+        chunks = self.source.iter_chunks(
+            self.cursor, thread_init=self.priority.join_current_thread, stop=self.stop_event
+        )
+        self._between_batches = False  # see _Failure.snap
         try:
-            packer, B, R = self.packer, self.batch_size, self.packer.row_len
-            ended = False
+            B, R = self.batch_size, self.packer.row_len
             while not self.stop_event.is_set():
                 self.retired.clear()
                 t0 = time.perf_counter()
                 tokens = np.empty((B, R), dtype=np.int64)
                 positions = np.empty((B, R), dtype=np.int64)
                 valid = [R] * B
-                n = 0
-                while n < B:
-                    if packer.ready() or (ended and packer.has_pending()):
-                        valid[n] = packer.pop_row_into(tokens[n], positions[n], final=ended)
-                        n += 1
-                    elif ended:
-                        break
-                    else:
-                        chunk = next(chunks, None)
-                        if chunk is None:
-                            ended = True
-                        else:
-                            self._feed(chunk)
-                        if self.stop_event.is_set():
-                            return
+                n = self._fill(chunks, tokens, positions, valid)
+                if n is None:  # stopped
+                    return
                 if n == 0:
-                    self._put(_End())
+                    self._put(_End(self._snapshot()))
                     return
                 if n < B:
                     # End of a finite pass: the missing rows are all padding (labels ignored),
                     # so batch shapes never change (torch.compile, fixed-shape buffers).
-                    tokens[n:] = packer.pad_id
+                    tokens[n:] = self.packer.pad_id
                     positions[n:] = 0
                     valid[n:] = [0] * (B - n)
                 self.counters["batches"] += 1
-                snap = _Snapshot(
-                    self.cursor, packer.snapshot(), dict(self.counters), self.skips.as_dict()
-                )
+                snap = self._snapshot()
                 self.busy_s += time.perf_counter() - t0
                 # Tensors are built here too: the consumer's next() is just a queue get.
                 inputs, labels = _to_batch(tokens, positions, valid)
                 if not self._put(_Batch(inputs, labels, snap)):
                     return
         except BaseException as e:  # noqa: BLE001 - relayed to the consumer, which re-raises it
-            self._put(_Failure(e))
+            self._put(_Failure(e, self._snapshot() if self._between_batches else None))
         finally:
             # Closing the generator now stops its read-ahead thread even while the relayed
             # exception (whose traceback references this frame) is still alive.
@@ -339,18 +353,58 @@ class _Producer:
             self.priority.leave_current_thread()
             self.priority.close()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def _fill(
+        self, chunks: Iterator[Any], tokens: np.ndarray, positions: np.ndarray, valid: list[int]
+    ) -> int | None:
+        """Pack rows into ``tokens``/``positions`` (reading and feeding chunks as needed); the
+        number of rows filled (fewer than the batch only at the end of a finite pass), or None
+        once stopped."""
+        packer, n = self.packer, 0
+        while n < len(valid):
+            if packer.ready() or (self._ended and packer.has_pending()):
+                valid[n] = packer.pop_row_into(tokens[n], positions[n], final=self._ended)
+                n += 1
+            elif self._ended:
+                break
+            else:
+                self._between_batches = n == 0
+                chunk = next(chunks, None)
+                self._between_batches = False
+                if self.stop_event.is_set():
+                    return None  # the source ended because of the stop, not the data
+                if chunk is None:
+                    self._ended = True
+                else:
+                    self._feed(chunk)
+        return n
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the thread (and, through the source, its read-ahead threads); True once it has
+        ended. A thread still alive after ``timeout`` is logged with where it is blocked (a
+        read that never returns cannot be interrupted from Python) and False is returned."""
         self.stop_event.set()  # also ends a producer's sleep on a full queue
         self.q.clear()
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+        if threading.current_thread() is self.thread or not self.thread.is_alive():
+            return True
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            return True
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "?"
+        logger.error(
+            "prefetch thread %r did not stop within %.0f s (it and its Parquet read-ahead "
+            "threads keep running as daemons); it is blocked at:\n%s",
+            self.thread.name,
+            timeout,
+            stack,
+        )
+        return False
 
 
-def _shutdown(producer_ref: list[_Producer | None]) -> None:
+def _shutdown(producer_ref: list[_Producer | None], timeout: float = 10.0) -> bool:
     p = producer_ref[0]
-    if p is not None:
-        p.stop()
-        producer_ref[0] = None
+    producer_ref[0] = None
+    return p.stop(timeout) if p is not None else True
 
 
 class PrefetchingParquetLoader:
@@ -514,9 +568,14 @@ class PrefetchingParquetLoader:
     def _stop_producer(self) -> None:
         _shutdown(self._producer_ref)
 
-    def close(self) -> None:
-        """Stop the background thread (idempotent). The loader cannot be iterated afterwards."""
-        self._finalizer()
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the background thread and its read-ahead threads (idempotent), waiting up to
+        ``timeout`` seconds: True once they have all ended. One still running then (a read that
+        never returns cannot be interrupted from Python) is logged as an error with where it is
+        blocked, and False is returned. The loader cannot be iterated afterwards."""
+        if self._finalizer.detach() is None:
+            return True  # already closed
+        return _shutdown(self._producer_ref, timeout)
 
     def __enter__(self) -> PrefetchingParquetLoader:
         return self
@@ -546,6 +605,8 @@ class PrefetchingParquetLoader:
         if isinstance(item, _Failure):
             exc = item.exc
             self._stop_producer()
+            if item.snap is not None:  # the counts include the rows read up to the error
+                self._snap = item.snap
             exc.add_note(
                 f"(raised in the background thread {p.thread.name!r}; re-raised by "
                 f"PrefetchingParquetLoader.__next__)"
@@ -554,6 +615,14 @@ class PrefetchingParquetLoader:
         if isinstance(item, _End):
             self._done = True
             self._stop_producer()
+            self._snap = item.snap  # rows read (and skipped) after the last batch count too
+            if item.snap.counters["docs_read"] == 0:
+                logger.warning(
+                    "%s: the pass ended without a usable document (%d rows read, skipped: %s)",
+                    self.source.describe(),
+                    item.snap.counters["rows_read"],
+                    item.snap.skips,
+                )
             raise StopIteration
         p.retired.append(self._snap)  # freed by the producer, not here (see _Producer)
         self._snap = item.snap

@@ -86,7 +86,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from torchtitan_ext.text.errors import BadInputError, SkipLog, check_on_bad_input
+from torchtitan_ext.text.columns import EMPTY, Rejected, as_text, text_kind
+from torchtitan_ext.text.errors import (
+    BadInputError,
+    NoUsableDocuments,
+    SkipLog,
+    check_on_bad_input,
+)
 from torchtitan_ext.text.packing import ConcatSplitPacker, row_to_example
 from torchtitan_ext.text.tokenize import TextTokenizer
 
@@ -269,6 +275,8 @@ class StreamingTextDataset(IterableDataset):
 
         local = resolve_local_files(source, split)
         self._builder, self._files = local if local else (None, None)
+        self._read_text_as_binary = False
+        footer_rows = self._parquet_footers() if self._builder == "parquet" else []
         self._hf = None
         n = self._hf_dataset().n_shards
         self.n_shards = int(n)
@@ -277,8 +285,8 @@ class StreamingTextDataset(IterableDataset):
         # reads its first shards, not the whole dataset).
         self._known: dict[int, int] = {}
         self._offsets: list[int] | None = None
-        if self._builder == "parquet":
-            self._known = self._parquet_counts()
+        if footer_rows and len(footer_rows) == self.n_shards:
+            self._known = dict(enumerate(footer_rows))
         # Document ids: the global raw index when all row counts are known up front, else
         # shard << 40 | row. Fixed here so that a later num_documents() cannot change them.
         self._global_ids = len(self._known) == self.n_shards
@@ -294,6 +302,15 @@ class StreamingTextDataset(IterableDataset):
                 kw = dict(self.load_kwargs)
                 if self._builder == "text":
                     kw.setdefault("sample_by", self.text_sample_by)
+                if self._read_text_as_binary and not {"columns", "features"} & kw.keys():
+                    # Only the text column, as bytes, whatever string/binary/dictionary/view
+                    # layout each file has: datasets casts every file to the *first* file's type
+                    # otherwise, and some casts do not exist (dictionary<binary> -> string_view).
+                    # Decoded per value by _text_of (an invalid value is one counted skip).
+                    from datasets import Features, Value
+
+                    kw["columns"] = [self.text_column]
+                    kw["features"] = Features({self.text_column: Value("large_binary")})
                 try:
                     self._hf = load_dataset(
                         self._builder, data_files=self._files, split="train", streaming=True, **kw
@@ -328,18 +345,24 @@ class StreamingTextDataset(IterableDataset):
             return self._files[shard]
         return f"{self.source} shard {shard}/{self.n_shards}"
 
-    def _parquet_counts(self) -> dict[int, int]:
+    def _parquet_footers(self) -> list[int]:
+        """Rows per local Parquet file, from the footers; also decides whether the text column
+        can be read as bytes from every file (it is a text column in all of them: see
+        :mod:`torchtitan_ext.text.columns`; otherwise values are judged one by one)."""
         import pyarrow.parquet as pq
 
-        if self._files is None or len(self._files) != self.n_shards:
-            return {}
-        counts = {}
-        for i, f in enumerate(self._files):
+        rows, kinds = [], []
+        for f in self._files or []:
             try:
-                counts[i] = pq.ParquetFile(f).metadata.num_rows
+                pf = pq.ParquetFile(f)
+                rows.append(pf.metadata.num_rows)
+                schema = pf.schema_arrow
             except Exception as e:  # re-raised with the file named
                 raise BadInputError(f"unreadable Parquet footer: {e}", file=f, hint=False) from e
-        return counts
+            i = schema.get_field_index(self.text_column)
+            kinds.append(text_kind(schema.field(i).type) if i >= 0 else None)
+        self._read_text_as_binary = bool(kinds) and None not in kinds
+        return rows
 
     def _count(self, shard: int) -> int:
         """Rows of one shard (one reading pass when the format has no metadata; cached)."""
@@ -585,22 +608,23 @@ class StreamingTextDataset(IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def _text_of(self, text: Any, shard: int, row: int) -> str | None:
-        """The document text, or None after counting a skip (raises in error mode)."""
+        """The document text, or None after counting a skip (raises in error mode). Values are
+        judged by :func:`~torchtitan_ext.text.columns.as_text`, as in the Parquet loader (UTF-8
+        bytes are text); empty documents are always skipped and counted."""
         where_file = self.shard_name(shard)
         if text is _MISSING:
-            reason, msg = "missing_key", f"no column {self.text_column!r}"
+            got = Rejected("missing_key", f"no column {self.text_column!r}")
         else:
-            if isinstance(text, str):
-                if text:
-                    return text
+            got = as_text(text)
+            if type(got) is str:
+                return got
+            if got is EMPTY:
                 self.skips.skip("empty", f"{where_file} row={row}")  # harmless: always skipped
                 return None
-            reason = "null" if text is None else "not_string"
-            msg = "NULL text" if text is None else f"text is {type(text).__name__}, not str"
-        err = BadInputError(msg, file=where_file, row=row, key=self.text_column)
+        err = BadInputError(got.message, file=where_file, row=row, key=self.text_column)
         if self.on_bad_input == "error":
             raise err
-        self.skips.skip(reason, err.location)
+        self.skips.skip(got.reason, err.location)
         return None
 
     def _next_docs(self, slot: int, nslots: int) -> bool:
@@ -631,10 +655,15 @@ class StreamingTextDataset(IterableDataset):
                 # epoch of this slot had no usable document: stop instead of spinning forever.
                 empty_epoch_guard += 1
                 if empty_epoch_guard >= 2:
-                    raise ValueError(
-                        f"{self.source}: slot {slot} of {nslots} (dp_rank {self.dp_rank}) got no "
-                        f"usable documents in epoch {self.epoch}: fewer documents than dp ranks "
-                        f"x workers, or every record was skipped ({self.skips.as_dict()})"
+                    files = self._files or [str(self.source)]
+                    shown = ", ".join(files[:3]) + (
+                        f" and {len(files) - 3} more" if len(files) > 3 else ""
+                    )
+                    raise NoUsableDocuments(
+                        f"slot {slot} of {nslots} (dp_rank {self.dp_rank}) got no usable "
+                        f"documents in epoch {self.epoch} of {shown}: fewer documents than dp "
+                        f"ranks x workers, or every record was skipped (skipped so far: "
+                        f"{self.skips.as_dict() or 'none'})"
                     ) from None
                 self.epoch += 1
                 self.consumed = 0

@@ -8,20 +8,20 @@ not gain a control token.
 
 Two engines give the same ids:
 
-* **tiktoken** (default when it applies) — for byte-level BPE tokenizers (GPT-2 / Llama-3 style:
-  no normalizer, GPT-2 split regex, byte-level alphabet, no dropout or byte fallback) we build a
-  ``tiktoken.Encoding`` from the same merges: merge priority = merge order, and a lookup table maps
-  tiktoken's ranks back to the tokenizer's ids. It encodes 3-4x more tokens per CPU-second than
-  ``tokenizers`` on our corpora (embedded corpus, vocab 2048: 4.8-6.5 M vs 1.5-1.6 M tok/CPU-s;
-  GPT-2: see ``benchmarks/text_loaders``) and releases the GIL per document. Tokenization is most
-  of a text loader's CPU cost, so this is where a loader's tokens/s per core comes from.
-  Equality is checked, not assumed: a probe text set (contractions, digits, whitespace runs,
-  accents, CJK, emoji, special-token strings) at construction, and the first ``verify_docs``
-  (256) documents actually encoded are compared against ``tokenizers``; any difference switches
-  this tokenizer to the ``tokenizers`` engine for good, with a warning. The tests compare both
-  engines on every document of the embedded corpus.
-* **tokenizers** (``engine="hf"``, or when tiktoken does not apply) — ``encode_batch_fast``
-  (Rust, GIL released, no offsets).
+* **tiktoken** (default where it applies) — only for a tokenizer for which
+  :mod:`torchtitan_ext.text.fast_bpe` *proves* equality with ``tokenizers`` from the
+  ``tokenizer.json`` alone (byte-level BPE, GPT-2 or Llama-3-style split pattern, no normalizer,
+  no non-special added token, and a merge list that tiktoken's rank-by-string merging
+  reproduces: see that module's theorem). A lookup table maps tiktoken's ranks back to the
+  tokenizer's ids. It encodes 3-4x more tokens per CPU-second than ``tokenizers`` (GPT-2: see
+  ``benchmarks/text_loaders``) and releases the GIL per document; tokenization is most of a text
+  loader's CPU cost. Where the proof refuses, the reason is logged once per process and kept in
+  ``engine_reason``. Two tripwires stay as defence in depth (not the proof): a probe text set at
+  construction and the first ``verify_docs`` (256) documents actually encoded are compared with
+  ``tokenizers``; a difference (only a library change could cause one) switches to
+  ``tokenizers`` for good, with a warning.
+* **tokenizers** (``engine="hf"``, or when tiktoken is refused) — ``encode_batch_fast`` (Rust,
+  GIL released, no offsets).
 
 The wrapper accepts a directory or a ``tokenizer.json`` path (with BOS/EOS/PAD read from
 ``tokenizer_config.json`` like transformers does, or given explicitly), a ``tokenizers.Tokenizer``,
@@ -40,19 +40,19 @@ from typing import Any, Literal
 import numpy as np
 from tokenizers import Tokenizer
 
+from torchtitan_ext.text import fast_bpe
+from torchtitan_ext.text.fast_bpe import TiktokenEngine
+
 log = logging.getLogger(__name__)
 
 Engine = Literal["auto", "tiktoken", "hf"]
-
-# GPT-2's pre-tokenization regex, as HF's ByteLevel(use_regex=True) applies it.
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 PROBE_TEXTS = (
     "Hello world! It's a test: don't, we'll, they've, I'm, you're, he'd. IT'S DON'T",
     "Numbers 12345 and 3.14159, dates 2026-11-21; $100 & 50% off!!!",
     "   leading spaces, trailing spaces   \n\n\ttabs\tand\r\nnewlines\n\n\n",
     "Accents: café naïve résumé Ångström; Cyrillic: Война и мир; Greek: λόγος.",
-    "CJK 東京 中文字符 日本語のテキスト; emoji 👩‍👩‍👧 🚀 ✓; math ∑∫√∞",
+    "CJK 東京 中文字符 日本語のテキスト; emoji 👩\u200d👩\u200d👧 🚀 ✓; math ∑∫√∞",
     "Special strings stay text: <|begin_of_text|> <|end_of_text|> <|endoftext|> <|pad|>",
     "MixedCASE CamelCaseWords snake_case_words kebab-case-words URL https://x.org/a?b=c",
     "",
@@ -60,64 +60,18 @@ PROBE_TEXTS = (
     "a",
 )
 
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte."""
-    from torchtitan_ext.tokenizer.export import bytes_to_unicode
-
-    return {c: b for b, c in bytes_to_unicode().items()}
+_logged: set[tuple[str, str]] = set()
+_logged_lock = threading.Lock()
 
 
-def _is_byte_level_bpe(spec: dict[str, Any]) -> str | None:
-    """None if ``spec`` (a parsed tokenizer.json) is byte-level BPE that tiktoken reproduces;
-    otherwise the reason it is not."""
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        return f"model type {model.get('type')!r} is not BPE"
-    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(key):
-            return f"BPE {key}={model.get(key)!r}"
-    if model.get("byte_fallback"):
-        return "byte_fallback BPE"
-    if spec.get("normalizer") is not None:
-        return "has a normalizer"
-    pre = spec.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel":
-        if not pre.get("use_regex", True) or pre.get("add_prefix_space"):
-            return "ByteLevel pre-tokenizer without GPT-2 regex or with add_prefix_space"
-        return None
-    return f"pre-tokenizer {pre.get('type')!r} is not GPT-2 ByteLevel"
-
-
-class _TiktokenEngine:
-    """A tiktoken Encoding with the same merges, plus a rank -> id lookup table."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        import tiktoken
-
-        u2b = _byte_level_decoder()
-        b2u = {b: c for c, b in u2b.items()}
-        vocab: dict[str, int] = spec["model"]["vocab"]
-        missing = [b for b in range(256) if b2u[b] not in vocab]
-        if missing:
-            raise ValueError(f"byte-level vocabulary lacks {len(missing)} of the 256 bytes")
-        # Single bytes get ranks 0..255 (tiktoken never ranks them against merges); each merge
-        # gets the next rank, so merge priority = merge order, as in tokenizers' BPE.
-        ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
-        ids: list[int] = [vocab[b2u[b]] for b in range(256)]
-        for m in spec["model"]["merges"]:
-            a, b = m.split(" ", 1) if isinstance(m, str) else m
-            merged = bytes(u2b[c] for c in a + b)
-            if merged not in ranks:
-                ranks[merged] = len(ranks)
-                ids.append(vocab[a + b])
-        self.enc = tiktoken.Encoding(
-            "torchtitan_ext", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={}
-        )
-        self.lut = np.asarray(ids, dtype=np.int64)
-
-    def encode(self, text: str) -> np.ndarray:
-        return self.lut[np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)]
+def _log_once(level: int, source: str, reason: str) -> None:
+    """Why the fast engine is off, once per process for each tokenizer source and reason (a
+    loader per rank, worker and split would otherwise repeat it)."""
+    with _logged_lock:
+        if (source, reason) in _logged:
+            return
+        _logged.add((source, reason))
+    log.log(level, "%s: tokenizing with `tokenizers`, not tiktoken: %s", source, reason)
 
 
 def _token_str(value: Any) -> str | None:
@@ -149,31 +103,30 @@ class TextTokenizer:
         self.pad_id = pad_id if pad_id is not None else eos_id
         self.source = source
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._tt: _TiktokenEngine | None = None
+        self._tt: TiktokenEngine | None = None
         self._verify_left = verify_docs
         self._lock = threading.Lock()
         self.engine_reason = "engine='hf' requested"
         if engine not in ("auto", "tiktoken", "hf"):
             raise ValueError(f"engine must be 'auto', 'tiktoken' or 'hf', got {engine!r}")
         if engine != "hf":
-            self._tt, self.engine_reason = self._try_tiktoken(json.loads(spec_str))
+            self._tt, self.engine_reason = self._try_tiktoken(spec_str)
             if self._tt is None and engine == "tiktoken":
                 raise ValueError(f"{source}: tiktoken engine not applicable: {self.engine_reason}")
 
-    def _try_tiktoken(self, spec: dict[str, Any]) -> tuple[_TiktokenEngine | None, str]:
-        why = _is_byte_level_bpe(spec)
-        if why is not None:
-            return None, why
-        try:
-            eng = _TiktokenEngine(spec)
-        except ImportError:
-            return None, "tiktoken is not installed"
-        except (ValueError, KeyError) as e:
-            return None, f"cannot convert to tiktoken: {e}"
-        for text in PROBE_TEXTS:
-            if eng.encode(text).tolist() != self._hf_ids([text])[0]:
-                return None, f"probe text differs between engines: {text!r}"
-        return eng, "byte-level BPE: tiktoken engine (probe-verified)"
+    def _try_tiktoken(self, spec_str: str) -> tuple[TiktokenEngine | None, str]:
+        got = fast_bpe.plan(spec_str)
+        if isinstance(got, fast_bpe.Refusal):
+            # INFO when tiktoken cannot apply at all (e.g. WordPiece: nothing lost); WARNING when
+            # a byte-level BPE is refused (the user loses the fast engine and should hear why).
+            _log_once(logging.WARNING if got.byte_level else logging.INFO, self.source, got.reason)
+            return None, got.reason
+        for text in PROBE_TEXTS:  # a tripwire for library changes, not the proof
+            if got.encode(text).tolist() != self._hf_ids([text])[0]:
+                reason = f"probe text differs between engines: {text!r}"
+                _log_once(logging.WARNING, self.source, reason)
+                return None, reason
+        return got, "tiktoken engine: equality with tokenizers proven (see fast_bpe)"
 
     @property
     def engine(self) -> str:
@@ -224,20 +177,32 @@ class TextTokenizer:
         )
 
     @classmethod
-    def coerce(cls, obj: Any, engine: Engine = "auto") -> TextTokenizer:
+    def coerce(
+        cls, obj: Any, engine: Engine = "auto", bos_token: str | None = None
+    ) -> TextTokenizer:
         """Accept a TextTokenizer, a path, a ``tokenizers.Tokenizer`` or torchtitan's
-        ``HuggingFaceTokenizer`` (duck-typed: ``.tokenizer`` + ``bos_id``/``eos_id``)."""
-        if isinstance(obj, TextTokenizer):
-            return obj
+        ``HuggingFaceTokenizer`` (duck-typed: ``.tokenizer`` + ``bos_id``/``eos_id``).
+        ``bos_token`` (a token string) replaces the BOS the tokenizer declares."""
         if isinstance(obj, (str, Path)):
-            return cls.from_path(obj, engine=engine)
-        if isinstance(obj, Tokenizer):
-            return cls(obj, None, None, engine=engine)
-        inner = getattr(obj, "tokenizer", None)
-        if isinstance(inner, Tokenizer):
+            return cls.from_path(obj, bos_token=bos_token, engine=engine)
+        if isinstance(obj, TextTokenizer):
+            tok = obj
+        elif isinstance(obj, Tokenizer):
+            tok = cls(obj, None, None, engine=engine)
+        elif isinstance(getattr(obj, "tokenizer", None), Tokenizer):
             bos, eos = getattr(obj, "bos_id", None), getattr(obj, "eos_id", None)
-            return cls(inner, bos, eos, engine=engine)
-        raise TypeError(f"cannot use {type(obj).__name__} as a tokenizer")
+            tok = cls(obj.tokenizer, bos, eos, engine=engine)
+        else:
+            raise TypeError(f"cannot use {type(obj).__name__} as a tokenizer")
+        if bos_token is None:
+            return tok
+        bos = tok.tokenizer.token_to_id(bos_token)
+        if bos is None:
+            raise ValueError(f"{tok.source}: BOS token {bos_token!r} is not in the vocabulary")
+        if tok is obj and bos != tok.bos_id:  # never change the caller's object
+            tok = cls(tok.tokenizer, bos, tok.eos_id, tok.pad_id, tok.source, engine=engine)
+        tok.bos_id = bos
+        return tok
 
     # ------------------------------------------------------------------ encoding
     def encode_arrays(

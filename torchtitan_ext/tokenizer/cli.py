@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="written to tokenizer_config.json (must be a special token)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    # the flag's earlier name, kept working (hidden): every tool spells it --quiet
+    p.add_argument("--no-progress", dest="quiet", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workers,
             chunk_bytes=None if args.chunk_mb is None else max(1, int(args.chunk_mb * (1 << 20))),
             engine=args.engine,
-            progress=not args.no_progress,
+            progress=not args.quiet,
             stats=stats,
         )
     except (OSError, ValueError, RuntimeError) as e:

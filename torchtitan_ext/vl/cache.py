@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_ext.data.cachedir import sha256_file
 from torchtitan_ext.vl.format import (
     COLUMNS,
     FORMAT_NAME,
@@ -67,7 +68,6 @@ from torchtitan_ext.vl.format import (
     CacheError,
     column_shape,
     read_manifest,
-    sha256_file,
     shard_meta_problem,
 )
 

@@ -92,14 +92,6 @@ def torch_dtype_name(dtype: str) -> str:
     return f"torch.{dtype}"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------
 # the manifest digest
 

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fail on the first bad row (naming it) instead of counting a skip",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+
+from torchtitan_ext.data.cachedir import build_atomically, cache_root
 
 # Qwen2/3 special tokens in Qwen's order (ids are relative to our small vocab, not 151643...).
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -162,59 +163,38 @@ def _processor_class():
 
 
 def build_offline_processor(out_dir: str | Path) -> Path:
-    """Write a Qwen3-VL processor directory built locally (no download). Idempotent.
+    """Write a Qwen3-VL processor directory built locally (no download). Idempotent: a directory
+    that still matches its manifest is reused, anything else there is rebuilt
+    (:func:`torchtitan_ext.data.cachedir.build_atomically`).
 
     Files: ``tokenizer.json`` + ``tokenizer_config.json`` (Qwen special tokens registered as
     special, chat template), ``chat_template.jinja``, ``preprocessor_config.json`` (Qwen3-VL values).
     """
-    out = Path(out_dir)
-    marker = out / "offline_processor.json"
-    if marker.exists():
-        try:
-            if json.loads(marker.read_text()).get("version") == _OFFLINE_VERSION:
-                return out
-        except (OSError, ValueError):
-            pass  # unreadable marker: rebuild below (writes are atomic, so this is safe)
-    from transformers import Qwen2VLImageProcessorPil, TokenizersBackend
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    from tokenizers import Tokenizer
+    def fill(tmp: Path) -> None:
+        from tokenizers import Tokenizer
+        from transformers import Qwen2VLImageProcessorPil, TokenizersBackend
 
-    fast = TokenizersBackend(
-        tokenizer_object=Tokenizer.from_str(_build_tokenizer_json()),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=1 << 20,
-    )
-    fast.save_pretrained(tmp)
-    ip = Qwen2VLImageProcessorPil(**QWEN3_VL_IMAGE_CONFIG)
-    ip.save_pretrained(tmp)
-    (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (tmp / "offline_processor.json").write_text(json.dumps({"version": _OFFLINE_VERSION}))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        # out exists (another process built it first, or a stale partial dir): keep the complete
-        # one if it is complete, else replace it.
-        import shutil
+        fast = TokenizersBackend(
+            tokenizer_object=Tokenizer.from_str(_build_tokenizer_json()),
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            chat_template=CHAT_TEMPLATE,
+            model_max_length=1 << 20,
+        )
+        fast.save_pretrained(tmp)
+        ip = Qwen2VLImageProcessorPil(**QWEN3_VL_IMAGE_CONFIG)
+        ip.save_pretrained(tmp)
+        (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (tmp / "offline_processor.json").write_text(json.dumps({"version": _OFFLINE_VERSION}))
 
-        if (out / "offline_processor.json").exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
-    return out
+    return build_atomically(Path(out_dir), fill, {"offline_processor_version": _OFFLINE_VERSION})
 
 
 def default_cache_root() -> Path:
-    """Root for locally generated assets (processor dir, sample dataset)."""
-    env = os.environ.get("TORCHTITAN_EXT_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchtitan_ext"
+    """Root for locally generated assets (processor dir, sample dataset): the package's one
+    cache root, :func:`torchtitan_ext.data.cachedir.cache_root`."""
+    return cache_root()
 
 
 def offline_processor_dir() -> Path:

@@ -11,18 +11,19 @@ one Parquet file loadable by ``datasets.load_dataset("parquet", data_files=...)`
 ``bad_rows=True`` appends the hard cases the preprocessing must count or reject: corrupt and
 truncated bytes, a missing image, a 1x1 image (valid: upscaled to 256x256), a very large and an
 extreme-aspect image, empty and overlong text, a placeholder mismatch (a special token in the text).
-Generation of 300 rows takes ~1 s; ``sample_dataset_path()`` caches the result on disk.
+Generation of 300 rows takes ~1 s; ``sample_dataset_path()`` caches the result on disk (with a
+manifest of sizes and digests: a damaged or different directory is rebuilt).
 """
 
 from __future__ import annotations
 
 import io
-import os
 import random
-import shutil
 from pathlib import Path
 
 from PIL import Image, ImageOps
+
+from torchtitan_ext.data.cachedir import build_atomically, cache_root
 
 SAMPLE_VERSION = 1
 
@@ -155,8 +156,21 @@ def write_vl_parquet(rows: list[dict], file: Path, batch_size: int | None = None
 def make_sample_dataset(
     out_dir: str | Path, n: int = 300, bad_rows: bool = False, seed: int = 0
 ) -> Path:
-    """Write ``out_dir/train-00000-of-00001.parquet`` (n variants [+ bad rows]); returns out_dir."""
-    out = Path(out_dir)
+    """Write ``out_dir/train-00000-of-00001.parquet`` (n variants [+ bad rows]); returns out_dir.
+
+    ``out_dir`` is reused only while its manifest matches its files and these arguments
+    (:func:`torchtitan_ext.data.cachedir.build_atomically`); anything else there is rebuilt."""
+
+    def fill(tmp: Path) -> None:
+        write_vl_parquet(
+            _sample_rows(n, bad_rows, seed), tmp / "train-00000-of-00001.parquet", batch_size=64
+        )
+
+    meta = {"sample_version": SAMPLE_VERSION, "n": n, "bad_rows": bad_rows, "seed": seed}
+    return build_atomically(Path(out_dir), fill, meta)
+
+
+def _sample_rows(n: int, bad_rows: bool, seed: int) -> list[dict]:
     src = source_dir()
     files = sorted(p for p in src.iterdir() if p.suffix.lower() in (".jpg", ".png"))
     sources = []
@@ -178,16 +192,7 @@ def make_sample_dataset(
         # spread the bad rows through the data (deterministic positions)
         for j, r in enumerate(bad):
             rows.insert(min(len(rows), 3 + j * max(1, len(rows) // len(bad))), r)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_vl_parquet(rows, tmp / "train-00000-of-00001.parquet", batch_size=64)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process finished first: its copy is identical (deterministic)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return rows
 
 
 def sample_dataset_path(
@@ -195,12 +200,8 @@ def sample_dataset_path(
 ) -> Path:
     """Local HF-datasets-loadable Parquet dir of the sample dataset, generated on first use.
 
-    ``root`` defaults to ``$TORCHTITAN_EXT_CACHE`` or ``~/.cache/torchtitan_ext``.
+    ``root`` defaults to :func:`torchtitan_ext.data.cachedir.cache_root`.
     """
-    from torchtitan_ext.vl.processor import default_cache_root
-
-    base = Path(root) if root is not None else default_cache_root()
+    base = Path(root) if root is not None else cache_root()
     out = base / f"vl_sample_v{SAMPLE_VERSION}_n{n}{'_bad' if bad_rows else ''}"
-    if (out / "train-00000-of-00001.parquet").exists():
-        return out
     return make_sample_dataset(out, n=n, bad_rows=bad_rows)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from torchtitan_ext.vl.format import sha256_file as _sha256_stream
+from torchtitan_ext.data.cachedir import sha256_file as _sha256_stream
 
 Fingerprint = Literal["full", "quick"]
 FINGERPRINTS: tuple[str, ...] = ("full", "quick")

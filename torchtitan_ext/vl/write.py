@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_ext.data.cachedir import sha256_file
 from torchtitan_ext.vl.cache import VLCache
 from torchtitan_ext.vl.format import (
     COLUMNS,
@@ -40,7 +41,6 @@ from torchtitan_ext.vl.format import (
     CacheError,
     column_shape,
     manifest_digest,
-    sha256_file,
     shard_meta_problem,
     shard_meta_template,
 )

@@ -73,7 +73,7 @@ class Qwen3VLModel(BaseModel):
 
         def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
             # Nothing to take from the job: the HF config is complete, and the token ids, pack
-            # length and batch format are checked before anything is built (validate.py).
+            # length and batch format are checked before anything is built (preflight.py).
             return None
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:

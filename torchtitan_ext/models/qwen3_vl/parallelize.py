@@ -16,7 +16,7 @@ Same order and policies as torchtitan's own ``parallelize_llama`` / ``paralleliz
   the global count of valid tokens.
 
 Only data parallelism is supported (``partial_dtensor`` backend); tensor, pipeline, context and
-expert parallelism are refused before the model is built (validate.py).
+expert parallelism are refused before the model is built (preflight.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def parallelize_qwen3_vl(
 ) -> Qwen3VLModel:
     """torchtitan's ``parallelize_fn`` contract (see ``trainer.py``); returns the same module."""
     if parallelism.spmd_backend != "partial_dtensor":
-        # validate.py refuses this before any model is built; kept for direct API callers.
+        # preflight.py refuses this before any model is built; kept for direct API callers.
         raise ValueError(
             "qwen3_vl supports parallelism.spmd_backend = 'partial_dtensor' (FSDP only), got "
             f"{parallelism.spmd_backend!r}"

@@ -1,18 +1,17 @@
-"""Checks of a ``qwen3_vl`` job before anything is built (called by ``torchtitan_ext.config``).
+"""Preflight checks of a ``qwen3_vl`` job (``torchtitan_ext.preflight.MODEL_CHECKS``).
 
-Each failure is one :class:`~torchtitan_ext.config.ConfigError` naming the file and the key to
-change; none of them needs the model, the cache's data or a process group:
+They run after the generic checks (paths, parallel degrees, tokenizer, checkpoint) and before
+anything is built; each failure is one :class:`~torchtitan_ext.toml_config.ConfigError` naming
+the file and the key to change, and none needs the model, the cache's data or a process group:
 
-- **hf_assets_path** must be a directory;
 - **parallelism**: data parallelism only (FSDP on the ``partial_dtensor`` backend);
-- **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``;
-- **processor**: the tokenizer and image processor come from ``hf_assets_path`` (the model's
-  directory): ``[dataloader] model_path`` is filled from it, and a different explicit one is
-  refused. The offline processor (debug flavors) leaves ``model_path`` unset, as the cache key of
-  the sample cache expects;
-- **tokens**: the model's image / video / vision start / vision end token ids must be the
-  processor's, and its vocabulary must hold every token id of the tokenizer (an explicit
-  ``cache_path`` is checked against the ids recorded in its ``metadata.json``);
+- **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``
+  (:func:`check_format_owner`, run for every job, refuses that format for any other model);
+- **tokens**: the model's image / video / vision start / vision end token ids must be those of
+  the processor that tokenizes the cache (``[dataloader] model_path``, by default the model's
+  own in ``hf_assets_path``: ``loaders.vl.processor_path``), and its vocabulary must hold every
+  token id of that tokenizer; an explicit ``cache_path`` is checked against the ids recorded in
+  its manifest;
 - **pack length**: an explicit ``cache_path`` must have been built for the job's pack length;
 - **weights**: ``config.json`` in ``hf_assets_path`` must describe the flavor's architecture;
   safetensors there must be loaded (``[checkpoint] enable`` + ``initial_load_in_hf``) and
@@ -44,31 +43,37 @@ TOKEN_KEYS = {
 }
 
 
-def validate_job(cfg: Any, file: str = "<config>") -> None:
-    """Run every check of the module docstring; may fill ``[dataloader] model_path``."""
-    from torchtitan_ext.config import ConfigError
+def check(job: Any) -> None:
+    """Every check of the module docstring on ``job.config`` (a ``preflight.Job``)."""
+    from torchtitan_ext.toml_config import ConfigError
+
+    cfg, file = job.config, job.file
 
     def fail(msg: str) -> ConfigError:
         return ConfigError(f"{file}: {msg}")
 
     hf_config = cfg.model_spec.model.hf_config
     flavor = cfg.model_spec.flavor
-    if not Path(cfg.hf_assets_path).is_dir():
-        raise fail(
-            f"hf_assets_path {cfg.hf_assets_path!r} is not a directory (the model's Hugging Face "
-            "directory: config.json, *.safetensors, tokenizer and preprocessor_config.json)"
-        )
     _check_parallelism(cfg.parallelism, fail)
-    loaders = [("dataloader", cfg.dataloader)]
-    if cfg.validator.enable:
-        loaders.append(("validator.dataloader", cfg.validator.dataloader))
-    for where, loader in loaders:
+    for where, loader in job.loaders():
         _check_format(where, loader, fail)
-        _resolve_processor(cfg.hf_assets_path, where, loader, fail)
-        _check_tokens(flavor, hf_config, where, loader, fail)
+        _check_tokens(cfg, flavor, hf_config, where, loader, fail)
         _check_explicit_cache(cfg, flavor, hf_config, where, loader, fail)
     _check_chunked_loss(cfg, fail)
     _check_weights(cfg, flavor, fail)
+
+
+def check_format_owner(job: Any) -> None:
+    """``batch_format = "qwen3_vl"`` is the input of the qwen3_vl model only (any job)."""
+    from torchtitan_ext.toml_config import ConfigError
+
+    module = job.config.model.module
+    for where, loader in job.loaders():
+        if getattr(loader, "batch_format", None) == FORMAT and module != FORMAT:
+            raise ConfigError(
+                f"{job.file}: [{where}] batch_format = {FORMAT!r} is the input of [model] module "
+                f"{FORMAT!r}, not of {module!r}"
+            )
 
 
 def _check_parallelism(par: Any, fail: Any) -> None:
@@ -105,26 +110,6 @@ def _check_format(where: str, loader: Any, fail: Any) -> None:
         )
 
 
-def _same_dir(a: str | Path, b: str | Path) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
-
-
-def _resolve_processor(assets: str, where: str, loader: Any, fail: Any) -> None:
-    from torchtitan_ext.vl.processor import offline_processor_dir
-
-    is_processor_dir = (Path(assets) / "preprocessor_config.json").is_file()
-    if not is_processor_dir or _same_dir(assets, offline_processor_dir()):
-        return
-    if loader.model_path is None:
-        loader.model_path = assets
-    elif not _same_dir(loader.model_path, assets):
-        raise fail(
-            f"[{where}] model_path = {loader.model_path!r} differs from hf_assets_path "
-            f"{assets!r}: the cache must be tokenized by the model's own processor; remove "
-            "model_path (it defaults to hf_assets_path)"
-        )
-
-
 def _processor_tokens(model_path: str | None) -> tuple[dict[str, int], int]:
     from torchtitan_ext.vl.processor import load_processor, special_token_ids
 
@@ -153,14 +138,19 @@ def _token_problems(
     return out
 
 
-def _check_tokens(flavor: str, hf_config: dict, where: str, loader: Any, fail: Any) -> None:
+def _check_tokens(
+    cfg: Any, flavor: str, hf_config: dict, where: str, loader: Any, fail: Any
+) -> None:
+    from torchtitan_ext.loaders.vl import processor_path
+
     if getattr(loader, "cache_path", None):
         return  # the cache's own recorded ids are checked instead
+    path = processor_path(loader.model_path, cfg.hf_assets_path)
     try:
-        special, vocab = _processor_tokens(loader.model_path)
+        special, vocab = _processor_tokens(path)
     except (OSError, ValueError) as e:
         raise fail(f"[{where}] model_path: cannot load the Qwen3-VL processor: {e}") from None
-    src = loader.model_path or "the embedded offline processor"
+    src = path or "the embedded offline processor"
     problems = _token_problems(
         hf_config, special, vocab, f"[model] flavor {flavor!r}", f"the processor {src}"
     )

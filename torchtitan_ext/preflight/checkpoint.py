@@ -1,0 +1,137 @@
+"""Preflight check of the checkpoint a job would resume from.
+
+torchtitan resumes from the latest ``dump_folder/checkpoint/step-N`` (or ``load_step``) with the
+data loader's state in it. That state belongs to the job that saved it: a loader keyed per rank
+(``dataloader.dp_rank_{r}``) cannot be read by a job with another data-parallel degree (torch
+fails with "Missing key in checkpoint state_dict: dataloader.dp_rank_1...", under a long
+traceback per rank), and a changed ``seq_len``, batch size or loader is refused by the loader
+with a raw ValueError — all after the model was built. And a job that already reached
+``training.steps`` builds everything, then says "Training completed" having trained nothing.
+
+What a checkpoint was saved with comes from a small record ``ExtTrainer`` writes next to each
+save (:data:`RECORD`: loader, data-parallel degree, seq_len, local batch size), and, for a
+checkpoint without one, from the DCP metadata (the number of ``dataloader.dp_rank_*`` keys).
+A loader whose state is not keyed by rank (``cached_vl``: one "global" state) resumes at any
+data-parallel degree, so only the others are held to it.
+
+The fix offered is always the same three ways out: another ``--dump_folder``, deleting the old
+one (``make clean-demo`` for the demo), or keeping the model and optimizer while the data starts
+from scratch: ``--checkpoint.exclude_from_loading dataloader``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from torchtitan_ext.preflight import Job, JobComplete, loader_name
+from torchtitan_ext.toml_config import ConfigError
+
+RECORD = "torchtitan_ext_job.json"
+_STEP = re.compile(r"step-(\d+)$")
+_RANK_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)(\.|$)")
+
+
+def job_record(config: Any, dp_degree: int) -> dict[str, Any]:
+    """What a checkpoint's data state depends on (written with each save)."""
+    return {
+        "loader": loader_name(config.dataloader),
+        "dp_degree": int(dp_degree),
+        "seq_len": int(config.training.seq_len),
+        "local_batch_size": int(config.training.local_batch_size),
+    }
+
+
+def write_record(step_dir: str | Path, record: dict[str, Any]) -> None:
+    d = Path(step_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(d / RECORD)
+
+
+def _valid(step_dir: Path) -> bool:
+    # torchtitan's own rule (checkpointer/dcp.py _find_load_step)
+    return (step_dir / ".metadata").is_file() or (
+        step_dir / "model.safetensors.index.json"
+    ).is_file()
+
+
+def saved_steps(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(m.group(1)) for p in folder.iterdir() if (m := _STEP.match(p.name)) and _valid(p)
+    )
+
+
+def _metadata_ranks(step_dir: Path) -> int | None:
+    """Data-parallel degree from the DCP metadata's per-rank loader keys (None: not keyed)."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    except Exception:  # not a DCP checkpoint (HF format) or unreadable: nothing to compare
+        return None
+    ranks = {int(m.group(1)) for k in keys if (m := _RANK_KEY.match(k))}
+    return len(ranks) or None
+
+
+def check_checkpoint(job: Job) -> None:
+    """The checkpoint the job would resume from fits its data state; JobComplete if it already
+    reached ``training.steps``."""
+    cfg = job.config
+    ck = cfg.checkpoint
+    if not ck.enable or ck.create_seed_checkpoint:
+        return
+    folder = Path(cfg.dump_folder) / ck.folder
+    steps = saved_steps(folder)
+    if ck.load_step != -1:
+        if ck.load_step not in steps:
+            raise ConfigError(
+                f"{job.file}: [checkpoint] load_step = {ck.load_step}: no checkpoint step-"
+                f"{ck.load_step} in {folder} (saved steps: {steps or 'none'})"
+            )
+        step = ck.load_step
+    elif not steps:
+        return  # a fresh start
+    else:
+        step = steps[-1]
+    step_dir = folder / f"step-{step}"
+    if "dataloader" not in ck.exclude_from_loading:  # else the data starts from scratch
+        _check_data_state(job, step_dir)
+    # after the data check: torchtitan loads the checkpoint (and fails on a mismatch) even when
+    # nothing is left to train
+    if step >= cfg.training.steps:
+        raise JobComplete(
+            f"{step_dir} already holds step {step} and training.steps = {cfg.training.steps}: "
+            "nothing left to train. Train further with a larger --training.steps, or start over "
+            "with another --dump_folder (or delete this one; for the demo: make clean-demo)"
+        )
+
+
+def _check_data_state(job: Job, step_dir: Path) -> None:
+    cfg = job.config
+    saved: dict[str, Any] = {}
+    if (step_dir / RECORD).is_file():
+        saved = json.loads((step_dir / RECORD).read_text())
+    ranks = _metadata_ranks(step_dir)
+    now = job_record(cfg, job.dp_degree)
+    diffs = []
+    if saved.get("loader", now["loader"]) != now["loader"]:
+        diffs.append(f"loader {saved['loader']!r} (this job: {now['loader']!r})")
+    if ranks is not None and ranks != now["dp_degree"]:
+        diffs.append(f"data-parallel degree {ranks} (this job: {now['dp_degree']})")
+    for key in ("seq_len", "local_batch_size"):
+        if saved.get(key, now[key]) != now[key]:
+            diffs.append(f"{key} {saved[key]} (this job: {now[key]})")
+    if diffs:
+        raise ConfigError(
+            f"{job.file}: the checkpoint this job would resume from, {step_dir}, was saved with "
+            f"{', '.join(diffs)}, so its data-loader state does not fit. Use another "
+            "--dump_folder, or delete this one (for the demo: make clean-demo), or keep the "
+            "model and start the data from scratch with --checkpoint.exclude_from_loading "
+            "dataloader"
+        )

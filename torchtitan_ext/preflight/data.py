@@ -1,0 +1,107 @@
+"""Preflight checks of local text data: the files exist, the text column is there, and which
+files are held out for validation (and by which rule) is said in the log.
+
+Only Parquet footers are read (the schema), never rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torchtitan_ext.preflight import Job, loader_name
+from torchtitan_ext.toml_config import ConfigError
+
+
+def _string_columns(schema: Any) -> list[str]:
+    import pyarrow as pa
+
+    ok = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary)
+    return [n for n, t in zip(schema.names, schema.types, strict=True) if any(f(t) for f in ok)]
+
+
+def check_text_column(files: list[Path], loader_cfg: Any, section: str, file: str) -> None:
+    """``text_column`` is a column of every file (with ``on_bad_input = "skip"``: of at least
+    one), naming the string columns there are otherwise."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    column = loader_cfg.text_column
+    skip = getattr(loader_cfg, "on_bad_input", "error") == "skip"
+    missing: list[tuple[Path, Any]] = []
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except (OSError, pa.ArrowException) as e:
+            if skip:
+                continue  # counted as an unreadable file by the loader
+            raise ConfigError(
+                f"{file}: [{section}] dataset_path: {f} is not a readable Parquet file ({e}); "
+                f'remove it, or set [{section}] on_bad_input = "skip" to count and skip it'
+            ) from None
+        if column not in schema.names:
+            missing.append((f, schema))
+    if missing and (not skip or len(missing) == len(files)):
+        f, schema = missing[0]
+        cols = _string_columns(schema) or list(schema.names)
+        use = f"text_column = {cols[0]!r}" if len(cols) == 1 else f"text_column to one of {cols}"
+        raise ConfigError(
+            f"{file}: [{section}] text_column = {column!r} is not a column of {f} "
+            f"({len(missing)} of {len(files)} file(s) lack it); set [{section}] {use}"
+        )
+
+
+def _parquet_split(job: Job, section: str, loader_cfg: Any) -> list[Path]:
+    """The files of a parquet_prefetch split; notes the held-out files for a training split."""
+    from torchtitan_ext.text.parquet import split_files
+
+    try:
+        files = split_files(loader_cfg.dataset_path, loader_cfg.val_files)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(
+            f"{job.file}: [{section}] val_files = {loader_cfg.val_files!r}: {e}"
+        ) from None
+    used = files.val if loader_cfg.split == "val" else files.train
+    if not used:
+        raise ConfigError(
+            f"{job.file}: [{section}] split = {loader_cfg.split!r} of dataset_path = "
+            f"{loader_cfg.dataset_path!r} has no files under {files.rule}; set [{section}] "
+            'val_files ("none", "last_shard" or a glob of the validation files)'
+        )
+    if loader_cfg.split == "train" and files.val:
+        names = ", ".join(f.name for f in files.val)
+        note = (
+            f"[{section}] {len(files.val)} file(s) held out for validation by {files.rule}: "
+            f"{names}; training on the other {len(files.train)}"
+        )
+        if not job.config.validator.enable:
+            note += f' (the validator is off: [{section}] val_files = "none" trains on all)'
+        job.notes.append(note)
+    return used
+
+
+def _streaming_files(job: Job, section: str, loader_cfg: Any) -> list[Path]:
+    from torchtitan_ext.text.streaming import resolve_local_files
+
+    try:
+        found = resolve_local_files(loader_cfg.dataset_path, loader_cfg.split)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{job.file}: [{section}] dataset_path: {e}") from None
+    if found is None or found[0] != "parquet":
+        return []  # a hub dataset, or JSONL / text files: no schema to look at
+    return [Path(f) for f in found[1]]
+
+
+def check_text_data(job: Job) -> None:
+    """For the text loaders reading local Parquet files: the split's files, the text column."""
+    for section, loader_cfg in job.loaders():
+        name = loader_name(loader_cfg)
+        if not getattr(loader_cfg, "dataset_path", None):
+            continue  # the embedded corpus, or a hub dataset
+        if name == "parquet_prefetch":
+            files = _parquet_split(job, section, loader_cfg)
+        elif name == "streaming_text":
+            files = _streaming_files(job, section, loader_cfg)
+        else:
+            continue
+        check_text_column(files, loader_cfg, section, job.file)
