@@ -1,5 +1,6 @@
 # torchtitan_ext — one-command set-up on a fresh machine (CPU-only is fine).
 #   make demo   : venv + install + embedded data, then train the llama3 debug model ~20 steps on CPU
+#   make demo-vl: venv + install, build the sample Qwen3-VL cache, train the tiny Qwen3-VL 20 steps on CPU
 #   make test   : venv + install, then the test suite (random order, HOME must stay empty)
 #   make test-alone : every test in its own pytest process (slow: ~1 h on 2 cores)
 #   make bench-results : every benchmark, then benchmarks/RESULTS.md
@@ -12,7 +13,9 @@ CONFIG ?= train_configs/llama3_debug_cpu.toml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-resume test test-fast test-alone lint bench bench-results clean-demo
+VL_CONFIG ?= train_configs/qwen3_vl_tiny_cpu.toml
+
+.PHONY: setup demo demo-resume demo-vl test test-fast test-alone lint bench bench-results clean-demo
 
 setup: $(STAMP)
 
@@ -41,9 +44,16 @@ demo: setup
 demo-resume: setup
 	$(PY) -m torchtitan_ext.train --config-file $(CONFIG) --training.steps 30 $(ARGS)
 
+# The tiny Qwen3-VL on the shipped sample set: the cache first (the same key as the config's
+# [dataloader] table, so the training job finds it), then 20 steps; re-running resumes.
+demo-vl: setup
+	$(VENV)/bin/preprocess-cached --dataset sample --seq-len 1024 --buffer-size 16 \
+		--buckets 512,768 --cache-dir ./outputs/vl_cache --quiet
+	$(PY) -m torchtitan_ext.train --config-file $(VL_CONFIG) $(ARGS)
+
 # Start the demo over (its checkpoints are what `make demo` resumes from).
 clean-demo:
-	rm -rf outputs/llama3_debug_cpu
+	rm -rf outputs/llama3_debug_cpu outputs/qwen3_vl_tiny_cpu
 
 # The suite runs in a random order (pytest-randomly; the header prints the seed, rerun one with
 # PYTEST_ARGS=--randomly-seed=N, file order with PYTEST_ARGS="-p no:randomly"), with HOME set

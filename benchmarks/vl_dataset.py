@@ -158,7 +158,7 @@ def _hf_online_stepper(proc, rows: list[dict], images_per_pack: int) -> Callable
     """HF online: Qwen3VLProcessor on the next ``images_per_pack`` rows, one float32 HF batch."""
     from PIL import Image
 
-    from torchtitan_ext.vl.processor import hf_process
+    from torchtitan_ext.vl.sample import hf_process
 
     k = {"i": 0}
 

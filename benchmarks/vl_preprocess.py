@@ -116,6 +116,7 @@ def fast_processor(proc) -> tuple[Any, str | None]:
 
 def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
     from torchtitan_ext.vl import processor as P
+    from torchtitan_ext.vl import sample as VS
 
     p = P.ImageParams.from_processor(proc)
 
@@ -125,8 +126,8 @@ def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
     # equal outputs first: ours -> float32 is HF's pixel_values bit for bit, and the same ids
     for r in rows:
         img = P.load_image(P.decode_image(r["image"]))
-        ours = P.process_sample(proc, img, r["question"], r["answer"])
-        ref = P.hf_process(proc, [img], r["question"], r["answer"])
+        ours = VS.process_sample(proc, img, r["question"], r["answer"])
+        ref = VS.hf_process(proc, [img], r["question"], r["answer"])
         assert torch.equal(to_f32(ours.pixel_u8), ref["pixel_values"]), "pixels differ"
         assert torch.equal(ours.input_ids, ref["input_ids"][0]), "ids differ"
     fast, why_not = fast_processor(proc)
@@ -135,8 +136,8 @@ def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
         fast_diff = 0.0
         for r in rows:
             img = P.load_image(P.decode_image(r["image"]))
-            ref = P.hf_process(fast, [img], r["question"], r["answer"])["pixel_values"]
-            ours = to_f32(P.process_sample(proc, img, r["question"], r["answer"]).pixel_u8)
+            ref = VS.hf_process(fast, [img], r["question"], r["answer"])["pixel_values"]
+            ours = to_f32(VS.process_sample(proc, img, r["question"], r["answer"]).pixel_u8)
             d = (ours - ref).abs().max().item() if ours.shape == ref.shape else float("inf")
             fast_diff = max(fast_diff, d)
 
@@ -144,12 +145,12 @@ def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
         # exactly what a cache-build worker does per row (position_ids are computed at read time)
         for r in rows:
             img = P.decode_image(r["image"])
-            P.process_sample(proc, img, r["question"], r["answer"], positions=False)
+            VS.process_sample(proc, img, r["question"], r["answer"], positions=False)
 
     def ours_f32():
         for r in rows:
             img = P.decode_image(r["image"])
-            s = P.process_sample(proc, img, r["question"], r["answer"], positions=False)
+            s = VS.process_sample(proc, img, r["question"], r["answer"], positions=False)
             to_f32(s.pixel_u8)
 
     def hf(processor):
@@ -157,7 +158,7 @@ def _per_image(proc, rows, args: BenchArgs, label: str) -> list[Row]:
             for r in rows:
                 img = Image.open(io.BytesIO(r["image"]["bytes"]))
                 img.load()
-                P.hf_process(processor, [img], r["question"], r["answer"])
+                VS.hf_process(processor, [img], r["question"], r["answer"])
 
         return go
 

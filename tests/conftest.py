@@ -1,6 +1,7 @@
 import os
 import pathlib
 import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -75,6 +76,19 @@ def torchrun(nproc: int, *target: str) -> list[str]:
         "localhost:0",
         *target,
     ]
+
+
+def step_losses(out: "subprocess.CompletedProcess[str]") -> tuple[str, dict[int, str]]:
+    """A finished training subprocess -> (its log without colour codes, {step: loss as logged}).
+    Fails the test, with the log's tail, when the process failed."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
+    assert out.returncode == 0, text[-4000:]
+    losses: dict[int, str] = {}
+    for m in re.finditer(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)", text):
+        losses.setdefault(int(m.group(1)), m.group(2))
+    return text, losses
 
 
 def _has_cuda() -> bool:

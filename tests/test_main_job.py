@@ -10,18 +10,15 @@ all come back from the checkpoint). Done at DP=1 and DP=2 (torchrun, gloo).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, step_losses, torchrun
 
 pytestmark = pytest.mark.integration
 MAIN = REPO / "train_configs" / "llama3_debug_cpu.toml"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 SMALL = [
     "--training.seq_len",
     "64",
@@ -48,12 +45,7 @@ def train(args: list[str], nproc: int = 1) -> tuple[str, dict[int, str]]:
         env=env,
         timeout=600,
     )
-    text = ANSI.sub("", out.stdout + out.stderr)
-    assert out.returncode == 0, text[-4000:]
-    losses: dict[int, str] = {}
-    for m in STEP.finditer(text):
-        losses.setdefault(int(m.group(1)), m.group(2))
-    return text, losses
+    return step_losses(out)
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["dp1", "dp2"])

@@ -8,18 +8,15 @@ job's loader is exercised end to end in test_main_job.py.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, step_losses, torchrun
 
 pytestmark = pytest.mark.integration
 TOY = REPO / "tests" / "data" / "configs" / "toy_debug.toml"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 
 
 def run(args: list[str], nproc: int = 1, timeout: int = 300) -> tuple[str, dict[int, str]]:
@@ -36,12 +33,7 @@ def run(args: list[str], nproc: int = 1, timeout: int = 300) -> tuple[str, dict[
         env=env,
         timeout=timeout,
     )
-    text = ANSI.sub("", out.stdout + out.stderr)
-    assert out.returncode == 0, text[-4000:]
-    losses: dict[int, str] = {}
-    for m in STEP.finditer(text):
-        losses.setdefault(int(m.group(1)), m.group(2))
-    return text, losses
+    return step_losses(out)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torchtitan_ext.vl import build as B
 from torchtitan_ext.vl import cache as C
 from torchtitan_ext.vl import processor as P
+from torchtitan_ext.vl import sample as VS
 from torchtitan_ext.vl import sources as S
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
 from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
@@ -125,7 +126,7 @@ def test_pack_content_matches_direct_processing(env, built):
         a = pix = img = 0
         for row, ln in zip(cache.pack_rows(i), p["seq_lens"].tolist(), strict=True):
             r = src.read(row, row + 1)[0]
-            s = P.process_sample(proc, P.decode_image(r["image"]), r["question"], r["answer"])
+            s = VS.process_sample(proc, P.decode_image(r["image"]), r["question"], r["answer"])
             assert torch.equal(p["input_ids"][a : a + ln], s.input_ids)
             exp_lab = s.labels.clone()
             exp_lab[0] = -100

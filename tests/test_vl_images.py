@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from torchtitan_ext.vl import processor as P
+from torchtitan_ext.vl import sample as VS
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def _transparency_forms() -> dict[str, bytes | Image.Image]:
 def _hf_pixels(proc, img: Image.Image) -> torch.Tensor:
     """transformers' own path: Qwen2VLImageProcessorPil (convert_to_rgb, resize, rescale,
     normalise) on the image as given."""
-    return P.hf_process(proc, [img], "q", "a")["pixel_values"]
+    return VS.hf_process(proc, [img], "q", "a")["pixel_values"]
 
 
 @pytest.mark.parametrize("name", list(_transparency_forms()))
@@ -76,7 +77,7 @@ def test_every_transparency_form_bit_exact_to_hf(proc, name):
 
     ref = _hf_pixels(proc, opened())
     src = {"bytes": data, "path": None} if isinstance(data, bytes) else data
-    ours = P.process_sample(proc, P.decode_image(src), "q", "a")
+    ours = VS.process_sample(proc, P.decode_image(src), "q", "a")
     assert torch.equal(P.normalize_patches(ours.pixel_u8), ref), name
 
 
@@ -122,9 +123,9 @@ def test_exif_orientation_upright_like_datasets(proc, fmt, orientation):
     data = _enc(img, fmt, exif=_exif(orientation), **({"quality": 90} if fmt == "JPEG" else {}))
     upright = datasets.Image().decode_example({"bytes": data, "path": None})
     raw = Image.open(io.BytesIO(data))
-    ours = P.process_sample(proc, P.decode_image(data), "q", "a")
+    ours = VS.process_sample(proc, P.decode_image(data), "q", "a")
     assert torch.equal(P.normalize_patches(ours.pixel_u8), _hf_pixels(proc, upright))
-    off = P.process_sample(proc, P.decode_image(data, exif_transpose=False), "q", "a")
+    off = VS.process_sample(proc, P.decode_image(data, exif_transpose=False), "q", "a")
     assert torch.equal(P.normalize_patches(off.pixel_u8), _hf_pixels(proc, raw))
     if orientation >= 5:  # a quarter turn: the grids are transposed
         assert ours.image_grid_thw[0, 1:].tolist() == off.image_grid_thw[0, 1:].flip(0).tolist()
@@ -134,13 +135,13 @@ def test_png_exif_after_the_pixels(proc):
     img = Image.fromarray(_arr(48, 80, seed=2))
     flipped = _png_with_late_exif(img, 3)  # half turn: same size
     assert "exif" not in Image.open(io.BytesIO(flipped)).info  # really only seen on decoding
-    ours = P.process_sample(proc, P.decode_image(flipped), "q", "a")
+    ours = VS.process_sample(proc, P.decode_image(flipped), "q", "a")
     ref = _hf_pixels(proc, img.rotate(180))
     assert torch.equal(P.normalize_patches(ours.pixel_u8), ref)
     # a quarter turn found only after decoding changes the token count chosen from the header:
     # a counted skip, never wrong pixels
     with pytest.raises(P.SampleError, match="decode_error"):
-        P.process_sample(proc, P.decode_image(_png_with_late_exif(img, 6)), "q", "a")
+        VS.process_sample(proc, P.decode_image(_png_with_late_exif(img, 6)), "q", "a")
 
 
 def test_exif_option_is_part_of_the_cache_key(tmp_path, monkeypatch):

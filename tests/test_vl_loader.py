@@ -265,7 +265,9 @@ def test_config_fields_documented_and_validator_replace():
         assert f"        {name}:" in src, f"field {name} is declared (with a docstring) in vl.py"
 
 
-@pytest.mark.parametrize("name", ["qwen3_vl_tiny_cpu.toml", "qwen3_vl_real.toml"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_vl_tiny_cpu.toml", "qwen3_vl_real.toml", "qwen3_vl_8b.toml"]
+)
 def test_toml_configs_parse(name):
     import tomllib
 
@@ -273,7 +275,7 @@ def test_toml_configs_parse(name):
     dl = dict(table["dataloader"])
     assert dl.pop("name") == "cached_vl"
     cfg = CachedVLDataLoader.Config(**dl)  # every key is a field of our Config
-    assert cfg.batch_format in ("hf", "torchtitan")
+    assert cfg.batch_format == "qwen3_vl"
 
 
 def test_tiny_toml_builds_the_loader(env, tmp_path):
@@ -290,8 +292,9 @@ def test_tiny_toml_builds_the_loader(env, tmp_path):
         seq_len=table["training"]["seq_len"],
         local_batch_size=table["training"]["local_batch_size"],
     )
-    batch = next(iter(loader))
-    assert batch["input_ids"].shape[1] in [*dl["buckets"], table["training"]["seq_len"]]
+    input_dict, labels = next(iter(loader))
+    assert input_dict["input"].shape[1] in [*dl["buckets"], table["training"]["seq_len"]]
+    assert input_dict["position_ids"].shape[0] == 4 and labels.shape == input_dict["input"].shape
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan  # noqa: E402
 from torchtitan_ext.vl.dataset import CachedVLDataset  # noqa: E402
 
+from .support.tiny_qwen3vl import run_alone, tiny_model  # noqa: E402
 from .support.vl_sample import sample_cache  # noqa: E402
 
 
@@ -30,49 +31,12 @@ def env(tmp_path_factory):
         yield {**env, "cache": VLCache.open(env["path"]), "proc": load_processor(None)}
 
 
-def tiny_model(special: dict[str, int], vocab: int) -> torch.nn.Module:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    cfg = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [3, 3, 2],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=256,
-        ),
-        image_token_id=special["image_pad_id"],
-        video_token_id=special["video_pad_id"],
-        vision_start_token_id=special["vision_start_id"],
-        vision_end_token_id=special["vision_end_id"],
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen3VLForConditionalGeneration(cfg)
-
-
 def alone_samples(env, pack_index: int):
     """Re-process the pack's source rows from scratch (the unpacked path)."""
     import datasets
 
-    from torchtitan_ext.vl.processor import decode_image, process_sample
+    from torchtitan_ext.vl.processor import decode_image
+    from torchtitan_ext.vl.sample import process_sample
 
     rows = env["cache"].pack_rows(pack_index)
     ds = datasets.load_dataset(
@@ -114,15 +78,7 @@ def test_packed_equals_unpacked_logits_loss_and_step(env):
             # The cache holds exactly the unpacked sample's tokens, positions and pixels.
             assert torch.equal(batch["input_ids"][row, offset : offset + n], s.input_ids)
             assert torch.equal(batch["position_ids"][:, row, offset : offset + n], s.position_ids)
-            with torch.no_grad():
-                ref = model(
-                    input_ids=s.input_ids[None],
-                    position_ids=s.position_ids[:, None],
-                    pixel_values=norm_pixels(s.pixel_u8, norm),
-                    image_grid_thw=s.image_grid_thw,
-                    labels=s.labels[None],
-                    use_cache=False,
-                )
+            ref = run_alone(model, s, norm)
             d = (out.logits[row, offset : offset + n] - ref.logits[0]).abs().max().item()
             worst = max(worst, d)
             k = int((s.labels[1:] != -100).sum())
@@ -152,12 +108,6 @@ def test_packed_equals_unpacked_logits_loss_and_step(env):
     assert changed > 0.9 * len(before)
     with torch.no_grad():
         assert model(**batch).loss.item() < loss.item()
-
-
-def norm_pixels(u8: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
-    from torchtitan_ext.vl.collate import normalize
-
-    return normalize(u8, norm)
 
 
 def test_tiny_training_loop_from_dataset(env):

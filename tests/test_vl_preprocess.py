@@ -113,7 +113,11 @@ def test_inspect_table_and_json(built, capsys):
     assert I.main(["--cache-dir", str(built.parent), "--json"]) == 0  # parent with one cache
     s = json.loads(capsys.readouterr().out)
     assert s["packs"] > 0 and s["rows_read"] == s["samples"] + sum(s["skipped"].values())
-    assert 0 < s["ratio_vs_float32"] <= 0.125
+    # the data files alone are at most 1/8 of the float32 layout; on a cache this small the JSON
+    # manifest and stats (a few KB) are a visible part of the total
+    json_bytes = sum(f.stat().st_size for f in built.rglob("*.json"))
+    f32 = s["float32_bytes_per_pack"] * s["packs"]
+    assert 0 < (s["bytes_total"] - json_bytes) / f32 <= 0.125
 
 
 def test_inspect_verify_names_corrupt_file(built, tmp_path, capsys):

@@ -67,7 +67,7 @@ def env(tmp_path_factory):
 def torchtitan_sample(proc, row: dict) -> dict:
     """One sample as torchtitan's mm_datasets hands it to the collator, from the raw row, with
     the Hugging Face processor (not our fast path): ids of the chat text with expanded image
-    tokens, labels on the answer turn, positions, and the normalised image as (1, H, W, C)."""
+    tokens, labels on the answer turn (its text and <|im_end|>), positions, and the normalised image as (1, H, W, C)."""
     from PIL import Image
 
     img = Image.open(io.BytesIO(row["image"]["bytes"]))
@@ -91,9 +91,12 @@ def torchtitan_sample(proc, row: dict) -> dict:
         n_prompt = proc(text=[prompt], images=[img], return_tensors="pt")["input_ids"].shape[1]
     finally:
         del ip.patchify
+    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end = n_prompt + int((ids[n_prompt:] == im_end).nonzero()[0])  # the answer's <|im_end|>
+    at = torch.arange(len(ids))
     return {
         "input_ids": ids,
-        "labels": torch.where(torch.arange(len(ids)) >= n_prompt, ids, -100),
+        "labels": torch.where((at >= n_prompt) & (at <= end), ids, -100),
         "positions": torch.arange(len(ids)),
         "pixel_values": [seen[0].permute(1, 2, 0).unsqueeze(0)],
     }

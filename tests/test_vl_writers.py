@@ -296,9 +296,9 @@ def test_every_row_failure_is_a_counted_skip_with_its_type(env, tmp_path, monkey
     processor_error with the exception's class) and the counts reconcile; --strict names it."""
     from PIL import Image, ImageFile
 
-    from torchtitan_ext.vl import processor as P
+    from torchtitan_ext.vl import sample as VS
 
-    real_load, real_patches = Image.Image.load, P.image_to_patches
+    real_load, real_patches = Image.Image.load, VS.image_to_patches
     calls = {"load": 0, "patch": 0}
 
     def flaky_load(self, *a, **k):  # the first decode of a file-backed image
@@ -316,7 +316,7 @@ def test_every_row_failure_is_a_counted_skip_with_its_type(env, tmp_path, monkey
         return real_patches(img, p)
 
     monkeypatch.setattr(Image.Image, "load", flaky_load)
-    monkeypatch.setattr(P, "image_to_patches", flaky_patches)
+    monkeypatch.setattr(VS, "image_to_patches", flaky_patches)
     k = B.build_cache(env["data"], "train", tmp_path / "c", SEQ, 8, show_progress=False,
                       num_workers=0, **ARGS)  # fmt: skip
     st = json.loads((k / "packing_stats.json").read_text())
@@ -370,11 +370,11 @@ def test_layout_is_a_separate_step(env):
     raw = rows.read(0, 2)
     assert set(raw[0]) == {"image", "question", "answer"}
     sample = rows.parse(raw[0])
-    assert isinstance(sample, S.VQASample) and len(sample.images) == 1
+    assert isinstance(sample, S.ChatSample) and len(sample.images) == 1
     vqa2 = S.VQALayout("img", "q", "answers").parse(
         {"img": [b"x", b"y"], "q": "?", "answers": [{"answer": "yes"}, {"answer": "no"}]}
     )
-    assert vqa2.images == [b"x", b"y"] and vqa2.answer == "yes"
+    assert vqa2.images == [b"x", b"y"] and vqa2.messages[-1]["content"] == "yes"
     with pytest.raises(ValueError, match="no answer column"):
         S.VQALayout.detect(["image", "question"], "somewhere.parquet")
     assert rows.layout.describe() == {

@@ -72,8 +72,9 @@ class ModelSection:
     """Model package whose ``config_registry`` holds the config function: a torchtitan model
     (``llama3``), one of ours (``torchtitan_ext/models/<name>``) or a dotted module path."""
 
-    config: str = "llama3_debugmodel"
-    """Name of the config function in that registry, e.g. ``llama3_debugmodel``."""
+    config: str | None = None
+    """Name of the config function in that registry, e.g. ``llama3_debugmodel``; None:
+    ``<module>_debugmodel``."""
 
     flavor: str | None = None
     """Model flavor to build instead of the config function's (e.g. ``debugmodel``, ``8B``);
@@ -181,7 +182,8 @@ def base_config(model: ModelSection) -> Trainer.Config:
             f"[model] module {mod_name!r}: no such model package (looked for "
             f"{', '.join(model_module_candidates(mod_name))})"
         )
-    fn = getattr(module, model.config, None)
+    config_name = model.config or f"{mod_name.rsplit('.', 1)[-1]}_debugmodel"
+    fn = getattr(module, config_name, None)
     if not callable(fn):
         avail = [
             n
@@ -189,7 +191,7 @@ def base_config(model: ModelSection) -> Trainer.Config:
             if not n.startswith("_") and callable(getattr(module, n)) and n[0].islower()
         ]
         raise ConfigError(
-            f"[model] config {model.config!r} not found in {module.__name__}; available: {avail}"
+            f"[model] config {config_name!r} not found in {module.__name__}; available: {avail}"
         )
     cfg = fn()
     if model.flavor is not None or model.attn_backend is not None:
@@ -218,7 +220,10 @@ def _sync_vocab(cfg: Any) -> None:
     """Keep the loss's global vocab size in step with a re-flavoured model."""
     try:
         from torchtitan.models.common.config_utils import decoder_vocab_size
+        from torchtitan.models.common.decoder import Decoder
 
+        if not isinstance(cfg.model_spec.model, Decoder.Config):
+            return  # e.g. qwen3_vl: its loss needs no vocab size (no tensor parallelism)
         loss_fn = getattr(cfg.loss, "loss_fn", None)
         if loss_fn is not None and hasattr(loss_fn, "global_vocab_size"):
             loss_fn.global_vocab_size = decoder_vocab_size(cfg.model_spec)

@@ -80,6 +80,9 @@ _LINE_KEYS = (
     ("skipped", "skipped"),
     ("epoch", "epoch"),
 )
+# Cumulative counters shown as a mean per step since the previous log line (VL: images and
+# vision patches the loader handed to the trainer).
+_PER_STEP_KEYS = (("images", "images"), ("patches", "patches"))
 
 
 class _StepLineFilter(logging.Filter):
@@ -111,6 +114,10 @@ def attach_stats_logging(trainer: Any) -> None:
     original = mp.log
     flt = _StepLineFilter(trainer)
     tt_logger.addFilter(flt)
+    last: dict[str, float] = {}
+    batches_per_step = getattr(trainer, "gradient_accumulation_steps", 1) * getattr(
+        trainer, "num_pipeline_parallel_microbatches", 1
+    )
 
     def log(
         step: int,
@@ -126,6 +133,14 @@ def attach_stats_logging(trainer: Any) -> None:
         extra.update({f"{STATS_PREFIX}{k}": v for k, v in stats.items()})
         extra[f"{STATS_PREFIX}wait_ms"] = wait_ms
         parts = [f"data_wait: {wait_ms:.2f}ms"]
+        # one data_loading_times entry per batch fetched since the previous log line
+        steps = max(1.0, len(times) / max(1, batches_per_step))
+        for key, label in _PER_STEP_KEYS:
+            if key in stats:
+                per_step = (stats[key] - last.get(key, 0.0)) / steps
+                extra[f"{STATS_PREFIX}{key}_per_step"] = per_step
+                parts.append(f"{label}/step: {per_step:g}")
+                last[key] = stats[key]
         cap = stats.get("queue_capacity")
         for key, label in _LINE_KEYS:
             if key in stats:

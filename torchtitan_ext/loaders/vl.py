@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,15 +42,28 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.vl.build import BuildConfig
 from torchtitan_ext.vl.collate import (
+    BATCH_FORMATS,
     PackCollator,
     PixelNorm,
     check_special_tokens,
     finish_on_device,
 )
 from torchtitan_ext.vl.dataset import CachedVLDataset, advance
+from torchtitan_ext.vl.layouts import Format
 from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning, open_packs
 
 logger = logging.getLogger(__name__)
+
+
+def processor_path(model_path: str | None, hf_assets_path: str | None) -> str | None:
+    """The processor that tokenizes the cache: ``model_path``; unset, the model's own directory
+    (the trainer's ``hf_assets_path``) when it holds a Qwen3-VL processor; else None (the
+    embedded offline processor). The path itself is not part of the cache key, its contents are."""
+    if model_path:
+        return model_path
+    if hf_assets_path and (Path(hf_assets_path) / "preprocessor_config.json").is_file():
+        return str(hf_assets_path)
+    return None
 
 
 class CachedVLDataLoader(BaseDataLoader):
@@ -59,8 +72,9 @@ class CachedVLDataLoader(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         dataset: str = ""
-        """Source dataset: a local Parquet directory / file, a Hugging Face dataset name, or
-        ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src). Part of the cache key.
+        """Source dataset: a local Parquet directory / file, a Hugging Face dataset name,
+        ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src) or
+        ``"sample_chat"`` (the small chat set made from the same images). Part of the cache key.
         Required unless ``dataset_path`` or ``cache_path`` is set."""
 
         dataset_path: str | None = None
@@ -90,7 +104,9 @@ class CachedVLDataLoader(BaseDataLoader):
 
         model_path: str | None = None
         """Qwen3-VL model/processor directory (tokenizer + preprocessor config); None: the
-        embedded offline processor (tests/CPU demo). Its fingerprint is part of the key."""
+        model's own, i.e. the trainer's ``hf_assets_path`` when it holds a processor
+        (``preprocessor_config.json``), else the embedded offline processor (tests/CPU demo).
+        Its fingerprint is part of the key."""
 
         max_samples: int | None = None
         """Use only the first N rows of the split (part of the key)."""
@@ -133,9 +149,11 @@ class CachedVLDataLoader(BaseDataLoader):
         "drop" skips the last (N mod W) packs of each epoch's permutation (different ones each
         epoch), "wrap" completes the last round from the start of the permutation."""
 
-        batch_format: Literal["torchtitan", "hf"] = "torchtitan"
+        batch_format: Literal["torchtitan", "hf", "qwen3_vl"] = "torchtitan"
         """"torchtitan": ``(input_dict, labels)`` with MultiModalCollator keys (labels shifted);
-        "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...)."""
+        "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...);
+        "qwen3_vl": ``(input_dict, labels)`` for the ``qwen3_vl`` model module (the "hf" tensors
+        under torchtitan's names, labels shifted)."""
 
         normalize_on: Literal["collate", "device"] = "collate"
         """"collate": float pixel_values built on the CPU; "device": pixel_values stay uint8 and are
@@ -152,6 +170,32 @@ class CachedVLDataLoader(BaseDataLoader):
         """How the source files enter the cache key: "full" (every byte, hashed once per file
         and remembered by size + mtime) or "quick" (size + first/last MiB); must match the
         ``preprocess-cached --fingerprint`` the cache was built with."""
+
+        format: Format = BuildConfig.format
+        """Row layout: "vqa", "messages" (HF chat), "llava", "cauldron", or "auto" (detected
+        from the columns); ``preprocess-cached --format`` (docs/vl_data_formats.md)."""
+
+        image_column: str | None = BuildConfig.image_column
+        """The image column (None: detected); ``--image-column``."""
+
+        question_column: str | None = BuildConfig.question_column
+        """vqa: the question column (None: detected); ``--question-column``."""
+
+        answer_column: str | None = BuildConfig.answer_column
+        """vqa: the answer column (None: detected); ``--answer-column``."""
+
+        messages_column: str | None = BuildConfig.messages_column
+        """messages: the chat column (None: "messages"); ``--messages-column``."""
+
+        conversations_column: str | None = BuildConfig.conversations_column
+        """llava: the conversations column (None: "conversations"); ``--conversations-column``."""
+
+        texts_column: str | None = BuildConfig.texts_column
+        """cauldron: the turns column (None: "texts"); ``--texts-column``."""
+
+        truncate: bool = BuildConfig.truncate
+        """A sample longer than the pack length drops whole trailing turns instead of being
+        skipped as too_long (part of the key); ``--truncate``."""
 
     def __init__(
         self,
@@ -173,9 +217,9 @@ class CachedVLDataLoader(BaseDataLoader):
         if kwargs:
             logger.debug("CachedVLDataLoader ignores build kwargs %s", sorted(kwargs))
         cfg = config
-        if cfg.batch_format not in ("torchtitan", "hf"):
+        if cfg.batch_format not in BATCH_FORMATS:
             raise ValueError(
-                f"dataloader.batch_format must be 'torchtitan' or 'hf', got {cfg.batch_format!r}"
+                f"dataloader.batch_format must be one of {BATCH_FORMATS}, got {cfg.batch_format!r}"
             )
         if cfg.normalize_on not in ("collate", "device"):
             raise ValueError(
@@ -196,9 +240,10 @@ class CachedVLDataLoader(BaseDataLoader):
         self.pack_seq_len = int(pack_len)
 
         t0 = time.perf_counter()
+        self.model_path = processor_path(cfg.model_path, getattr(tokenizer, "tokenizer_path", None))
         self._check_model_tokenizer(tokenizer)
         packs = open_packs(
-            cfg,
+            cfg if self.model_path == cfg.model_path else replace(cfg, model_path=self.model_path),
             seq_len=self.pack_seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
@@ -216,7 +261,14 @@ class CachedVLDataLoader(BaseDataLoader):
             norm=self.pixel_norm,
             normalize_on=cfg.normalize_on,  # type: ignore[arg-type]
         )
-        self._stats = {"batches": 0, "packs": 0, "tokens": 0, "pad_tokens": 0, "images": 0}
+        self._stats = {
+            "batches": 0,
+            "packs": 0,
+            "tokens": 0,
+            "pad_tokens": 0,
+            "images": 0,
+            "patches": 0,
+        }
         self._wait_s = 0.0
         self._last_wait_s = 0.0
         self._reset_position()
@@ -243,10 +295,10 @@ class CachedVLDataLoader(BaseDataLoader):
         else:
             from torchtitan_ext.vl.processor import load_processor, special_token_ids
 
-            special = special_token_ids(load_processor(cfg.model_path))
+            special = special_token_ids(load_processor(self.model_path))
             cache_from = (
-                f"the VL cache's processor (dataloader.model_path={cfg.model_path})"
-                if cfg.model_path
+                f"the VL cache's processor ({self.model_path})"
+                if self.model_path
                 else "the VL cache's processor (dataloader.model_path unset: the embedded "
                 "offline processor)"
             )
@@ -307,7 +359,8 @@ class CachedVLDataLoader(BaseDataLoader):
     def _account(self, batch: Any) -> None:
         if isinstance(batch, tuple):
             inp, labels = batch
-            tokens, grid = inp["input"], inp.get("grid_thw")
+            tokens = inp["input"]
+            grid = inp.get("grid_thw", inp.get("image_grid_thw"))
         else:
             tokens, labels, grid = batch["input_ids"], batch["labels"], batch.get("image_grid_thw")
         n = int(tokens.shape[0])
@@ -318,7 +371,9 @@ class CachedVLDataLoader(BaseDataLoader):
         pad = int((tokens == self.collate.pad_id).sum())
         s["tokens"] += int(tokens.numel()) - pad
         s["pad_tokens"] += pad
-        s["images"] += 0 if grid is None else int(grid.shape[0])
+        if grid is not None:
+            s["images"] += int(grid.shape[0])
+            s["patches"] += int(grid.prod(dim=-1).sum())
         del labels
 
     def finish_on_device(self, batch: Any) -> Any:
@@ -383,6 +438,7 @@ class CachedVLDataLoader(BaseDataLoader):
             "tokens": float(s["tokens"]),
             "pad_pct": 100.0 * s["pad_tokens"] / total if total else 0.0,
             "images": float(s["images"]),
+            "patches": float(s["patches"]),
             "consumer_wait_ms": 1e3 * self._wait_s,
             "wait_ms_last": 1e3 * self._last_wait_s,
             "epoch": float(g["epoch"]),

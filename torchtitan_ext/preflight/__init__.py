@@ -41,10 +41,14 @@ CHECKS: list[str | Check] = [
     "torchtitan_ext.preflight.tokens:check_tokenizer",
     "torchtitan_ext.preflight.data:check_text_data",
     "torchtitan_ext.preflight.checkpoint:check_checkpoint",
+    # a batch format named after one of our model modules feeds that module only
+    "torchtitan_ext.models.qwen3_vl.preflight:check_format_owner",
 ]
 
 # [model] module -> its model-specific checks (run after CHECKS).
-MODEL_CHECKS: dict[str, list[str | Check]] = {}
+MODEL_CHECKS: dict[str, list[str | Check]] = {
+    "qwen3_vl": ["torchtitan_ext.models.qwen3_vl.preflight:check"],
+}
 
 
 class JobComplete(Exception):

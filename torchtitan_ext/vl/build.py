@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_ext.vl.chat import LABEL_RULE
 from torchtitan_ext.vl.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -55,7 +56,8 @@ from torchtitan_ext.vl.format import (
     SHARDS,
     canonical,
 )
-from torchtitan_ext.vl.sources import DEFAULT_FINGERPRINT, Fingerprint, Rows, VQASample, open_source
+from torchtitan_ext.vl.layouts import COLUMN_ROLES, ChatSample, Format, column_overrides
+from torchtitan_ext.vl.sources import DEFAULT_FINGERPRINT, Fingerprint, Rows, open_source
 from torchtitan_ext.vl.write import (
     JSON_TMP_PREFIX,
     ProcessedRow,
@@ -100,6 +102,29 @@ class BuildConfig:
     fingerprint: Fingerprint = DEFAULT_FINGERPRINT
     """How source files enter the key: ``"full"`` hashes every byte (cached per file by size and
     mtime), ``"quick"`` only the size and the first and last MiB (``vl/sources.py``)."""
+    format: Format = "auto"
+    """Row layout (``vl/layouts.py``): ``"vqa"``, ``"messages"``, ``"llava"``, ``"cauldron"``, or
+    ``"auto"`` (detected from the column names). The resolved layout and its columns enter the
+    key, not this field, so ``auto`` and the layout it finds share a cache."""
+    image_column: str | None = None
+    """Column of the row's image(s) (every layout); None: detected."""
+    question_column: str | None = None
+    """``vqa``: the question column; None: detected."""
+    answer_column: str | None = None
+    """``vqa``: the answer column (a string or a list of answers); None: detected."""
+    messages_column: str | None = None
+    """``messages``: the chat column (``[{role, content}, ...]``); None: ``messages``."""
+    conversations_column: str | None = None
+    """``llava``: the conversation column (``[{from, value}, ...]``); None: ``conversations``."""
+    texts_column: str | None = None
+    """``cauldron``: the turns column (``[{user, assistant}, ...]``); None: ``texts``."""
+    truncate: bool = False
+    """A sample longer than ``seq_len`` drops whole trailing turns (and their images) until it
+    fits, cut after an assistant turn (the loss mask stays whole); False: it is ``too_long``."""
+
+
+LAYOUT_OPTIONS = ("format", *(f"{r}_column" for r in COLUMN_ROLES))
+"""BuildConfig fields that choose the layout; they enter the key as the resolved layout."""
 
 
 OPTION_NAMES = tuple(f.name for f in fields(BuildConfig) if f.name not in ("dataset", "split"))
@@ -150,17 +175,19 @@ def cache_key(
     processor_fp: dict[str, Any],
     layout: dict[str, Any] | None = None,
 ) -> str:
-    """sha256 over the format version, dataset fingerprint, row layout, split,
-    processor/tokenizer fingerprint and every packing parameter (the model path itself is not in
-    it: two copies of the same processor give the same key)."""
+    """sha256 over the format version, dataset fingerprint, row layout and its column mapping,
+    the label rule, split, processor/tokenizer/chat-template fingerprint and every packing
+    parameter (the model path itself is not in it: two copies of the same processor give the same
+    key; nor are the layout options, which enter as the layout they resolve to)."""
     cfg = asdict(config)
-    cfg.pop("dataset")
-    cfg.pop("model_path")
+    for k in ("dataset", "model_path", *LAYOUT_OPTIONS):
+        cfg.pop(k)
     doc = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "dataset": source_fingerprint,
         "layout": layout or {},
+        "labels": LABEL_RULE,
         "processor": processor_fp,
         "config": cfg,
     }
@@ -193,7 +220,8 @@ def _resolve(config: BuildConfig) -> tuple[Rows, Any, str]:
     """(rows, processor, key) of a config."""
     from torchtitan_ext.vl.processor import load_processor, processor_fingerprint
 
-    rows = open_source(config.dataset, config.split, config.fingerprint)
+    rows = open_source(config.dataset, config.split, config.fingerprint, config.format,
+                       column_overrides(config))  # fmt: skip
     proc = load_processor(config.model_path)
     key = cache_key(config, rows.fingerprint(), processor_fingerprint(proc), rows.layout.describe())
     return rows, proc, key
@@ -208,26 +236,25 @@ def resolve(config: BuildConfig, cache_dir: str | Path) -> Resolved:
 # one row (runs in pool workers, and in the online fallback)
 
 
-def process_parsed(processor, sample: VQASample, config: BuildConfig, positions: bool):
+def process_parsed(
+    processor, sample: ChatSample, config: BuildConfig, positions: bool, root: Path | None = None
+):
     """A parsed row -> ``VLSample``; every failure is a ``SampleError`` with its reason
-    (unforeseen exceptions become ``processor_error`` naming the exception's class)."""
-    from torchtitan_ext.vl.processor import SampleError, decode_image, process_sample
+    (unforeseen exceptions become ``processor_error`` naming the exception's class). ``root``:
+    the dataset directory (relative image paths)."""
+    from torchtitan_ext.vl.processor import SampleError, decode_image
+    from torchtitan_ext.vl.sample import process_chat
 
     try:
-        if not sample.images:
-            raise SampleError("missing_image", "empty image list")
-        pil = [
-            decode_image(x, config.max_image_pixels, exif_transpose=config.exif_transpose)
-            for x in sample.images
-        ]
-        return process_sample(
-            processor,
-            pil,
-            sample.question,
-            sample.answer,
-            max_len=config.seq_len,
-            positions=positions,
-        )
+        n = len(sample.images)
+        pil = []
+        for i, cell in enumerate(sample.images):
+            try:
+                pil.append(decode_image(cell, config.max_image_pixels, config.exif_transpose, root))
+            except SampleError as e:
+                raise e.at_image(i, n) from None
+        return process_chat(processor, sample.messages, pil, max_len=config.seq_len,
+                            positions=positions, truncate=config.truncate)  # fmt: skip
     except SampleError:
         raise
     except Exception as e:  # one row's failure is that row's counted skip, whatever it is
@@ -237,7 +264,7 @@ def process_parsed(processor, sample: VQASample, config: BuildConfig, positions:
 _W: dict[str, Any] = {}
 
 
-def _worker_init(config: BuildConfig, layout: Any) -> None:
+def _worker_init(config: BuildConfig, layout: Any, root: Path | None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
     from torchtitan_ext.vl.processor import load_processor
@@ -245,6 +272,7 @@ def _worker_init(config: BuildConfig, layout: Any) -> None:
     _W["proc"] = load_processor(config.model_path)
     _W["config"] = config
     _W["parse"] = layout.parse
+    _W["root"] = root
 
 
 def process_row(item: tuple[int, dict[str, Any]]) -> ProcessedRow | Skip:
@@ -255,9 +283,11 @@ def process_row(item: tuple[int, dict[str, Any]]) -> ProcessedRow | Skip:
     try:
         try:
             sample = _W["parse"](raw)
+        except SampleError:
+            raise
         except Exception as e:  # a malformed cell the layout cannot read
             raise SampleError.from_exception("processor_error", e) from e
-        s = process_parsed(_W["proc"], sample, _W["config"], positions=False)
+        s = process_parsed(_W["proc"], sample, _W["config"], positions=False, root=_W["root"])
     except SampleError as e:
         return Skip(row, e.reason, str(e), e.error_type)
     mask = (s.labels.numpy() != -100).astype(np.uint8)
@@ -268,6 +298,7 @@ def process_row(item: tuple[int, dict[str, Any]]) -> ProcessedRow | Skip:
         label_mask=mask,
         pixels=s.pixel_u8.numpy(),
         grid_thw=s.image_grid_thw.numpy().astype(np.int32),
+        turns_dropped=int(s.extra.get("turns_dropped", 0)),
     )
 
 
@@ -496,7 +527,7 @@ class _ShardBuilder:
             bar.close()
 
     def _pool(self):
-        args = (self.res.config, self.res.rows.layout)  # picklable (spawn)
+        args = (self.res.config, self.res.rows.layout, self.res.rows.root)  # picklable (spawn)
         if self.num_workers <= 0:
             _worker_init(*args)
             return None

@@ -51,6 +51,14 @@ configs set it) returns for the same samples (tested against the real collator):
   pads every batch to ``seq_len`` (pass ``pad_to=seq_len`` for its shape), and it never has the
   collator's all-padding dummy rows (every rank's batches are full).
 
+``"qwen3_vl"`` — ``(input_dict, labels)`` for torchtitan's trainer and the ``qwen3_vl`` model
+(``torchtitan_ext.models.qwen3_vl``, transformers' Qwen3-VL inside): the ``"hf"`` tensors under
+torchtitan's names, so the trainer's ``model(input_dict["input"], **rest)`` is the model call::
+
+    input [B, L], position_ids [4, B, L], pixel_values [sum N, 1536] (uint8 [sum N, 768] with
+    normalize_on="device"), image_grid_thw [n_img, 3] (both absent in a text-only batch);
+    labels [B, L] shifted as in "torchtitan" (torchtitan's loss does not shift)
+
 Cost (``python -m benchmarks vl_dataset``, 2-core box, 8113 tokens / 23 images / 27.6k patches):
 fetch + collate 1.7 ms in the HF format with uint8 pixels (B=1: no pixel copy), 2.8 ms in the
 torchtitan format (the per-image padding copies ~21 MB of uint8, through numpy: torch's 2-thread
@@ -67,7 +75,8 @@ from typing import Any, Literal
 
 import torch
 
-BatchFormat = Literal["hf", "torchtitan"]
+BatchFormat = Literal["hf", "torchtitan", "qwen3_vl"]
+BATCH_FORMATS: tuple[str, ...] = ("hf", "torchtitan", "qwen3_vl")
 NormalizeOn = Literal["collate", "device"]
 IGNORE_INDEX = -100
 
@@ -187,6 +196,30 @@ def collate_hf(
     return batch
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """HF's unshifted labels [B, L] -> torchtitan's: ``out[:, t]`` is the target of token ``t``
+    (``labels[:, t + 1]``), -100 at the end. torchtitan's loss compares position ``t`` of the
+    logits with position ``t`` of the labels; transformers shifts inside its loss instead."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+def collate_qwen3_vl(
+    packs: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    pad_id: int,
+    norm: PixelNorm = PixelNorm(),
+    normalize_on: NormalizeOn = "collate",
+    pad_to: int | None = None,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Packs -> ``(input_dict, labels)`` for the ``qwen3_vl`` model (see the module docstring)."""
+    batch = collate_hf(packs, pad_id=pad_id, norm=norm, normalize_on=normalize_on, pad_to=pad_to)
+    del batch["use_cache"]  # the model never uses a KV cache
+    labels = shift_labels(batch.pop("labels"))
+    return {"input": batch.pop("input_ids"), **batch}, labels
+
+
 def _pad_per_image(pixels: torch.Tensor, grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
     """[sum N, D] -> [n_img, max_patches, D], each image's rows first, the rest exactly 0."""
     counts = grid_thw.prod(dim=1).tolist()
@@ -229,9 +262,7 @@ def collate_torchtitan(
     tt_tokens = torchtitan_special_tokens(special_tokens)
     length = batch_length(packs, pad_to)
     tokens = _pad_stack([p["input_ids"] for p in packs], length, tt_tokens["pad_id"])
-    labels_hf = _pad_stack([p["labels"] for p in packs], length, IGNORE_INDEX)
-    labels = torch.full_like(labels_hf, IGNORE_INDEX)
-    labels[:, :-1] = labels_hf[:, 1:]
+    labels = shift_labels(_pad_stack([p["labels"] for p in packs], length, IGNORE_INDEX))
     pos = _pad_stack([p["position_ids"] for p in packs], length, 0)  # [B, 4, L]
     grid = _cat([p["image_grid_thw"] for p in packs])
     input_dict: dict[str, Any] = {
@@ -362,8 +393,8 @@ class PackCollator:
         normalize_on: NormalizeOn = "collate",
         pad_to: int | None = None,
     ) -> None:
-        if batch_format not in ("hf", "torchtitan"):
-            raise ValueError(f"batch_format must be 'hf' or 'torchtitan', got {batch_format!r}")
+        if batch_format not in BATCH_FORMATS:
+            raise ValueError(f"batch_format must be one of {BATCH_FORMATS}, got {batch_format!r}")
         if normalize_on not in ("collate", "device"):
             raise ValueError(f"normalize_on must be 'collate' or 'device', got {normalize_on!r}")
         self.batch_format, self.normalize_on, self.norm, self.pad_to = (
@@ -376,6 +407,14 @@ class PackCollator:
         self.pad_id = torchtitan_special_tokens(special_tokens)["pad_id"]
 
     def __call__(self, packs: Sequence[Mapping[str, torch.Tensor]]) -> Any:
+        if self.batch_format == "qwen3_vl":
+            return collate_qwen3_vl(
+                packs,
+                pad_id=self.pad_id,
+                norm=self.norm,
+                normalize_on=self.normalize_on,
+                pad_to=self.pad_to,
+            )
         if self.batch_format == "hf":
             return collate_hf(
                 packs,

@@ -56,6 +56,8 @@ def summary(path: str | Path) -> dict[str, Any]:
         "path": str(p),
         "key": meta["key"],
         "config": meta["config"],
+        "layout": meta["layout"],
+        "samples_truncated": st.get("samples_truncated", 0),
         "packs": c["packs"],
         "rows_read": c["rows_read"],
         "samples": c["samples"],
@@ -85,6 +87,11 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f}"
 
 
+def _layout_text(layout: dict[str, Any]) -> str:
+    cols = ", ".join(f"{r}={c}" for r, c in layout.get("columns", {}).items() if c is not None)
+    return f"{layout.get('layout', '?')} ({cols})"
+
+
 def format_table(s: dict[str, Any]) -> str:
     spp, ipp, fill = s["samples_per_pack"], s["images_per_pack"], s["fill_pct"]
     rows = [
@@ -94,10 +101,12 @@ def format_table(s: dict[str, Any]) -> str:
             "seq_len / buffer / buckets",
             f"{s['config']['seq_len']} / {s['config']['buffer_size']} / {s['config']['buckets']}",
         ),
+        ("row layout", _layout_text(s["layout"])),
         ("packs", f"{s['packs']}"),
         (
             "rows read / packed / skipped",
-            f"{s['rows_read']} / {s['samples']} / {sum(s['skipped'].values())} {s['skipped']}",
+            f"{s['rows_read']} / {s['samples']} / {sum(s['skipped'].values())} {s['skipped']}"
+            + (f" ({s['samples_truncated']} truncated)" if s["samples_truncated"] else ""),
         ),
         (
             "samples per pack (mean/min/max)",

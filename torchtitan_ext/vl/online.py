@@ -1,13 +1,13 @@
 """OnlineVLDataset: the slow fallback when no cache exists — preprocess and pack inside the loader.
 
-It runs the same code as the offline builder (``vl.processor.process_sample`` per row, then
+It runs the same code as the offline builder (``vl.sample.process_chat`` per row, then
 ``vl.packing.best_fit_packs`` with the same ``seq_len`` / ``buffer_size`` / ``buckets``) and yields
 pack dicts in exactly the layout of ``VLCache.pack(i)``, so the collate functions and the model see
 no difference. Costs what the seed measured for online packing: image decode + resize + patchify
 (~5-17 ms per image on this 2-core box, facts.md) on the training process's CPU.
 
 Rows come from the builder's own source reader and layout (``vl.sources.open_source``: same
-files, columns and answer handling) and are processed by the builder's own per-row step
+files, layout and columns) and are processed by the builder's own per-row step
 (``vl.build.process_parsed``: same options, same skip reasons), in chunks of 256 rows; with ``shuffle`` epoch ``e`` visits the chunks in a
 random order and the rows of each chunk in a random order (seed ``seed + e``), so every chunk is
 read once per epoch. Sharding keeps the cache's guarantees without knowing the pack count in
@@ -86,15 +86,20 @@ epoch reads every chunk once (random single-row Parquet reads would decode a row
 
 
 class _Rows:
-    """Row access over the builder's source (``vl.sources.open_source``: same files, same column
-    picking, same answer handling), one chunk at a time; items are parsed samples."""
+    """Row access over the builder's source (``vl.sources.open_source``: same files, same layout,
+    same column picking), one chunk at a time; items are parsed conversations."""
 
-    def __init__(self, dataset: str | Path, split: str, max_samples: int | None) -> None:
+    def __init__(self, config: Any) -> None:
+        from torchtitan_ext.vl.layouts import column_overrides
         from torchtitan_ext.vl.sources import open_source
 
-        self.src = open_source(dataset, split, fingerprint="quick")  # the key is never needed
+        # the key is never needed: a quick fingerprint
+        self.src = open_source(config.dataset, config.split, "quick", config.format,
+                               column_overrides(config))  # fmt: skip
+        self.root = self.src.root
         n = self.src.num_rows
-        self.num_rows = n if max_samples is None else min(n, int(max_samples))
+        mx = config.max_samples
+        self.num_rows = n if mx is None else min(n, int(mx))
         self._chunk = -1
         self._rows: list[dict[str, Any]] = []
 
@@ -150,7 +155,8 @@ class OnlineVLDataset(IterableDataset):
             dataset, split, seq_len, buffer_size, buckets=buckets, model_path=model_path,
             max_samples=max_samples, **options,
         )  # fmt: skip
-        self.rows = rows if rows is not None else _Rows(dataset, split, max_samples)
+        self.rows = rows if rows is not None else _Rows(self.build_config)
+        self.root = getattr(self.rows, "root", None)
         self.num_rows = len(self.rows)
         if self.num_rows == 0:
             raise ValueError(f"dataset {dataset} split {split} has no rows")
@@ -199,7 +205,7 @@ class OnlineVLDataset(IterableDataset):
 
         try:
             return process_parsed(
-                self.processor, self.rows[row_index], self.build_config, positions=True
+                self.processor, self.rows[row_index], self.build_config, True, self.root
             )
         except SampleError as e:
             if self.strict:

@@ -29,6 +29,21 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 SAMPLE_DATASET = "sample"
+SAMPLE_CHAT_DATASET = "sample_chat"
+
+
+def resolve_dataset(name: str | Path) -> str | Path:
+    """A dataset argument: the generated VQA sample for ``"sample"``, the generated chat sample
+    for ``"sample_chat"``, anything else as it is."""
+    if name == SAMPLE_DATASET:
+        from torchtitan_ext.vl.sample_data import sample_dataset_path
+
+        return sample_dataset_path()
+    if name == SAMPLE_CHAT_DATASET:
+        from torchtitan_ext.vl.sample_chat import chat_sample_path
+
+        return chat_sample_path()
+    return name
 
 
 class OnlinePreprocessingWarning(UserWarning):
@@ -56,19 +71,16 @@ class PackRequest(Protocol):
 
 
 def dataset_arg(req: PackRequest) -> str | Path:
-    """The dataset to read: ``dataset_path`` when set, the generated sample for ``"sample"``."""
+    """The dataset to read: ``dataset_path`` when set, else ``dataset`` (:func:`resolve_dataset`)."""
     if req.dataset_path:
         return req.dataset_path
     if not req.dataset:
         raise ValueError(
             "dataloader.dataset is required for the cached_vl loader: a local Parquet "
-            "directory, a Hugging Face dataset name or 'sample' (or set dataloader.cache_path)"
+            "directory, a Hugging Face dataset name, 'sample' or 'sample_chat' (or set "
+            "dataloader.cache_path)"
         )
-    if req.dataset == SAMPLE_DATASET:
-        from torchtitan_ext.vl.sample_data import sample_dataset_path
-
-        return sample_dataset_path()
-    return req.dataset
+    return resolve_dataset(req.dataset)
 
 
 def key_args(req: PackRequest, seq_len: int) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 Thin CLI over :func:`torchtitan_ext.vl.build.build_cache` (see build.py for the algorithm and
 cache.py for the layout). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank
 builds its share of shards; every rank returns once the manifest is written. ``--dataset sample``
-uses the generated sample dataset (``torchtitan_ext.vl.sample_data``). Every default comes from
-:class:`~torchtitan_ext.vl.build.BuildConfig`.
+and ``--dataset sample_chat`` use the generated sample datasets (``torchtitan_ext.vl.sample_data``).
+Every option is a :class:`~torchtitan_ext.vl.build.BuildConfig` field of the same name (its default
+comes from there and it reaches the build by name); ``--format`` and ``--<role>-column`` choose the
+row layout (``vl/layouts.py``).
 
 Measured (2-core box, 2 workers, seq_len 8192, 640x480 JPEGs; benchmarks/vl_preprocess.py):
 0.064-0.072 s of wall time per pack of ~20 images / 24,000 patches / 7,300 tokens at steady state
@@ -24,19 +26,42 @@ from dataclasses import fields
 
 def _parser() -> argparse.ArgumentParser:
     from torchtitan_ext.vl.build import BuildConfig, default_num_workers
+    from torchtitan_ext.vl.layouts import COLUMN_ROLES, FORMATS
     from torchtitan_ext.vl.sources import FINGERPRINTS
 
     d = {f.name: f.default for f in fields(BuildConfig)}
     p = argparse.ArgumentParser(
         prog="preprocess-cached",
-        description="Preprocess a VQA-style dataset into a packed Qwen3-VL TensorDict memmap cache.",
+        description="Preprocess a VL dataset (VQA rows or chat conversations) into a packed "
+        "Qwen3-VL TensorDict memmap cache.",
     )
     p.add_argument(
         "--dataset",
         required=True,
-        help="local Parquet file/dir/glob, a hub dataset name, or 'sample'",
+        help="local Parquet file/dir/glob, a hub dataset name, 'sample' (VQA) or 'sample_chat'",
     )
     p.add_argument("--split", default=d["split"])
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=d["format"],
+        help="row layout: vqa (image/question/answer), messages (HF chat), llava "
+        "(conversations with <image>), cauldron (images + texts); auto: detected from the columns",
+    )
+    for role in COLUMN_ROLES:
+        p.add_argument(
+            f"--{role}-column",
+            default=None,
+            metavar="NAME",
+            help=f"the {role} column (overrides detection)",
+        )
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        default=d["truncate"],
+        help="fit a sample longer than --seq-len by dropping whole trailing turns (cut after an "
+        "assistant turn); default: skip it as too_long",
+    )
     p.add_argument("--seq-len", type=int, default=d["seq_len"], help="max tokens per pack")
     p.add_argument("--buffer-size", type=int, default=d["buffer_size"], help="best-fit buffer")
     p.add_argument(
@@ -89,19 +114,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    from torchtitan_ext.vl.build import CacheLockedError, build_cache, default_num_workers
+    from torchtitan_ext.vl.build import (
+        OPTION_NAMES,
+        CacheLockedError,
+        build_cache,
+        default_num_workers,
+    )
+    from torchtitan_ext.vl.pack_source import resolve_dataset
 
-    dataset = a.dataset
-    if dataset == "sample":
-        from torchtitan_ext.vl.sample_data import sample_dataset_path
-
-        dataset = str(sample_dataset_path())
-    buckets = [int(x) for x in a.buckets.split(",") if x.strip()] if a.buckets else None
+    if a.buckets:
+        a.buckets = [int(x) for x in a.buckets.split(",") if x.strip()]
     workers = default_num_workers() if a.num_workers is None else a.num_workers
+    options = {n: getattr(a, n) for n in OPTION_NAMES if n not in ("seq_len", "buffer_size")
+               and hasattr(a, n)}  # fmt: skip
     t0 = time.perf_counter()
     try:
         path = build_cache(
-            dataset,
+            resolve_dataset(a.dataset),
             a.split,
             a.cache_dir,
             a.seq_len,
@@ -110,12 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             strict=a.strict,
             force=a.force,
             show_progress=not a.quiet,
-            model_path=a.model_path,
-            max_samples=a.max_samples,
-            buckets=buckets,
-            rows_per_shard=a.rows_per_shard,
-            exif_transpose=a.exif_transpose,
-            fingerprint=a.fingerprint,
+            **options,
         )
     except (CacheLockedError, FileNotFoundError, ValueError) as e:
         print(f"preprocess-cached: error: {e}", file=sys.stderr)
@@ -123,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     dt = time.perf_counter() - t0
     with open(os.path.join(path, "packing_stats.json")) as f:
         st = json.load(f)
+    with open(os.path.join(path, "metadata.json")) as f:
+        lay = json.load(f)["layout"]
+    cols = ", ".join(f"{r}={c!r}" for r, c in lay["columns"].items() if c is not None)
+    how = "detected" if a.format == "auto" else "as asked"
     print(f"cache: {path}")
+    print(f"row layout {lay['layout']} ({how}) from columns {cols}")
     print(
         f"packs {st['packs']}  samples {st['samples_packed']}  skipped {st['skipped_total']} "
         f"{st['skipped']}  fill {st['fill_pct']['mean']}%  ({dt:.1f}s this run)"

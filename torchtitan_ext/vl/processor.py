@@ -4,10 +4,11 @@ Algorithm
 ---------
 * ``build_offline_processor`` writes a processor directory built entirely locally: a small byte-level
   BPE (HF ``tokenizers``, trained in ~15 ms on an embedded corpus) with Qwen's special tokens
-  registered as *special* tokens (otherwise ``<|image_pad|>`` is byte-split), a Qwen-style chat
-  template, and ``Qwen2VLImageProcessorPil`` set to Qwen3-VL's values (patch 16, temporal 2,
-  merge 2, mean = std = 0.5, 256²..4096² pixels, bicubic, 1/255).
-* ``process_sample`` is the fast path: decode -> convert to RGB exactly like
+  registered as *special* tokens (otherwise ``<|image_pad|>`` is byte-split), Qwen3-VL's own chat
+  template (``torchtitan_ext/data/qwen3_vl_chat_template.jinja``, the Qwen3-VL Instruct models'
+  template byte for byte), and ``Qwen2VLImageProcessorPil`` set to Qwen3-VL's values (patch 16,
+  temporal 2, merge 2, mean = std = 0.5, 256²..4096² pixels, bicubic, 1/255).
+* Images (the fast path of ``vl/sample.py``): decode -> convert to RGB exactly like
   ``transformers.image_transforms.convert_to_rgb`` (alpha composited onto white) -> one PIL bicubic
   resize to ``smart_resize``'s size (the same call the HF PIL backend makes) -> uint8 patchify by a
   single numpy reshape/transpose into the processor's row layout with the duplicated temporal half
@@ -15,22 +16,18 @@ Algorithm
   float64/float32 and broadcasts the temporal copy; doing that later (``normalize_patches``, on the
   device or at collate) reproduces its ``pixel_values`` bit-exactly because the HF PIL backend also
   resizes in uint8 before converting.
-* Text: the chat template is rendered with one ``<|image_pad|>`` per image, tokenised once with
-  offsets (labels = token ids whose characters lie in the assistant answer + ``<|im_end|>``, else
-  -100), and each ``<|image_pad|>`` id is expanded to ``t*h*w/merge²`` copies — the same ids the HF
-  processor produces (asserted in tests).
 * ``mrope_positions`` re-implements ``Qwen3VLModel.get_rope_index`` (transformers 5.23) for one
   sample: text runs advance by their length, an image of llm grid (t, h, w) gets t/h/w meshgrid
   positions offset by the running position, which then advances by ``max(h, w)``. It needs only
-  ``spatial_merge_size``, no weights (equality with the real method is tested).
+  ``spatial_merge_size``, no weights (equality with the real method is tested, several images in
+  one sample included).
 
 Measured (2-core box, benchmarks/vl_preprocess.py, decode included on both sides, medians):
 640x480 JPEGs (VQAv2/COCO-sized, the seed's workload) 1.35 ms vs 5.8-6.9 ms per image with the HF
 processor (4.3-5.1x; 5.5-6x when the box was loaded); the sample set's thumbnails (24-320 px,
 upscaled to >= 256x256) 0.98 ms vs 2.5-2.8 ms (2.5-2.8x): there the identical PIL bicubic resize
 that both sides must do is ~70 % of our time, so ~3x is the ceiling. Pixels are identical after
-``normalize_patches``. Rendering the chat template with jinja cost ~1.5 ms per sample, so it is
-rendered once per image count and reused (``_Pipeline.prompt``).
+``normalize_patches``.
 """
 
 from __future__ import annotations
@@ -38,7 +35,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,19 +70,13 @@ _QWEN_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# A Qwen-style chat template: images become <|vision_start|><|image_pad|><|vision_end|> in place.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for c in message['content'] -%}"
-    "{%- if c['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif c['type'] == 'text' -%}{{- c['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE_FILE = Path(__file__).resolve().parents[1] / "data" / "qwen3_vl_chat_template.jinja"
+"""Qwen3-VL's chat template (the Instruct models' ``chat_template``; see DATA_LICENSES.md)."""
+
+
+def qwen3_vl_chat_template() -> str:
+    return CHAT_TEMPLATE_FILE.read_text()
+
 
 # Qwen3-VL image-processor values (the transformers class defaults are Qwen2-VL's).
 QWEN3_VL_IMAGE_CONFIG: dict[str, Any] = {
@@ -102,7 +94,7 @@ QWEN3_VL_IMAGE_CONFIG: dict[str, Any] = {
     "do_resize": True,
 }
 
-_OFFLINE_VERSION = 1
+_OFFLINE_VERSION = 2  # 2: Qwen3-VL's own chat template
 _VOCAB_SIZE = 1024
 
 
@@ -179,13 +171,13 @@ def build_offline_processor(out_dir: str | Path) -> Path:
             tokenizer_object=Tokenizer.from_str(_build_tokenizer_json()),
             eos_token="<|im_end|>",
             pad_token="<|endoftext|>",
-            chat_template=CHAT_TEMPLATE,
+            chat_template=qwen3_vl_chat_template(),
             model_max_length=1 << 20,
         )
         fast.save_pretrained(tmp)
         ip = Qwen2VLImageProcessorPil(**QWEN3_VL_IMAGE_CONFIG)
         ip.save_pretrained(tmp)
-        (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (tmp / "chat_template.jinja").write_text(qwen3_vl_chat_template())
         (tmp / "offline_processor.json").write_text(json.dumps({"version": _OFFLINE_VERSION}))
 
     return build_atomically(Path(out_dir), fill, {"offline_processor_version": _OFFLINE_VERSION})
@@ -339,11 +331,16 @@ class SampleError(ValueError):
     def __init__(self, reason: str, message: str, error_type: str | None = None):
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+        self.message = message
         self.error_type = error_type
 
     @classmethod
     def from_exception(cls, reason: str, e: BaseException) -> SampleError:
         return cls(reason, f"{type(e).__name__}: {e}", type(e).__name__)
+
+    def at_image(self, i: int, n: int) -> SampleError:
+        """The same error, naming the image's index in the row's list of ``n`` images."""
+        return SampleError(self.reason, f"images[{i}] of {n}: {self.message}", self.error_type)
 
 
 @dataclass
@@ -427,16 +424,23 @@ _PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombE
 
 
 def decode_image(
-    data: Any, max_image_pixels: int | None = None, exif_transpose: bool = True
+    data: Any,
+    max_image_pixels: int | None = None,
+    exif_transpose: bool = True,
+    root: str | Path | None = None,
 ) -> Image.Image:
-    """bytes / {"bytes","path"} dict / PIL image -> a PIL image, or SampleError.
+    """An image cell -> a PIL image, or SampleError.
+
+    Cells: raw bytes, an HF ``Image`` struct ``{"bytes", "path"}`` (the bytes when present, else
+    the file at ``path``), a path string, or a PIL image. A relative path is read relative to
+    ``root`` (the dataset directory) when given.
 
     The image is opened lazily (header only) and its pixel count checked before any decoding.
     ``exif_transpose``: an image carrying an orientation tag is decoded and turned upright here,
     exactly as ``datasets``' ``Image`` feature does (``ImageOps.exif_transpose`` whenever the tag
     is present); other images stay lazy until ``load_image`` (a PNG's tag is looked for there).
-    Corrupt data is ``corrupt_image``; any other exception while reading is ``decode_error``
-    (with its class).
+    No bytes or an unreadable file is ``missing_image``, corrupt data ``corrupt_image``; any other
+    exception while reading is ``decode_error`` (with its class).
     """
     if data is None:
         raise SampleError("missing_image", "image is None")
@@ -444,14 +448,9 @@ def decode_image(
         img = data
     else:
         if isinstance(data, dict):
-            b = data.get("bytes")
-            if b is None and data.get("path"):
-                try:
-                    with open(data["path"], "rb") as f:
-                        b = f.read()
-                except OSError as e:
-                    raise SampleError("missing_image", f"cannot read {data['path']}: {e}") from None
-            data = b
+            data = data.get("bytes") if data.get("bytes") is not None else data.get("path")
+        if isinstance(data, (str, os.PathLike)) and str(data):
+            data = _read_path(Path(data), root)
         if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
             raise SampleError("missing_image", f"no image bytes ({type(data).__name__})")
         img = _decoding(lambda: Image.open(io.BytesIO(data)))
@@ -467,6 +466,14 @@ def decode_image(
         else:
             img = _upright(img)
     return img
+
+
+def _read_path(path: Path, root: str | Path | None) -> bytes:
+    full = path if path.is_absolute() or root is None else Path(root) / path
+    try:
+        return full.read_bytes()
+    except OSError as e:
+        raise SampleError("missing_image", f"cannot read {full}: {e.strerror or e}") from None
 
 
 def _upright(img: Image.Image) -> Image.Image:
@@ -502,22 +509,7 @@ def load_image(img: Image.Image) -> Image.Image:
 
 
 # ----------------------------------------------------------------------------------------------
-# Text + positions
-
-
-@dataclass
-class VLSample:
-    """One processed sample (no padding). ``pixel_u8`` rows are in the processor's layout."""
-
-    input_ids: torch.Tensor  # int64 [L]
-    labels: torch.Tensor  # int64 [L], -100 except assistant tokens
-    pixel_u8: torch.Tensor  # uint8 [N, 768]
-    image_grid_thw: torch.Tensor  # int64 [n_img, 3]
-    position_ids: torch.Tensor  # int64 [4, L] (row 0 text, rows 1..3 mRoPE)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __getitem__(self, k: str):  # dict-style access for convenience
-        return getattr(self, k)
+# mRoPE positions
 
 
 def mrope_positions(
@@ -575,142 +567,6 @@ def position_rows(
     out[0] = np.arange(ids.shape[0])
     out[1:] = mrope_positions(ids, grid_thw, image_pad_id, spatial_merge_size)
     return out
-
-
-class _Pipeline:
-    """Per-processor constants for the fast path (computed once per processor)."""
-
-    def __init__(self, processor):
-        self.processor = processor
-        self.params = ImageParams.from_processor(processor)
-        self.ids = special_token_ids(processor)
-        tok = processor.tokenizer
-        self.backend = getattr(tok, "backend_tokenizer", None) or tok._tokenizer
-        self.image_token = "<|image_pad|>"
-        self.specials = [t for t in QWEN_SPECIAL_TOKENS if t in tok.get_vocab()]
-
-        self._split: dict[int, tuple[str, str] | None] = {}
-
-    def render(self, n_images: int, question: str) -> str:
-        content = [{"type": "image"} for _ in range(n_images)] + [
-            {"type": "text", "text": question}
-        ]
-        return self.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-        )
-
-    def prompt(self, n_images: int, question: str) -> str:
-        """The rendered user turn + generation prompt. Rendering the jinja template costs ~1.5 ms
-        (more than the rest of a small sample), so it is rendered once per image count around a
-        sentinel and reused by concatenation -- only if that provably reproduces the template's
-        output on a probe text (a template that trims or escapes text falls back to rendering)."""
-        if n_images not in self._split:
-            sentinel = "\x00QUESTION\x00"
-            r = self.render(n_images, sentinel)
-            split = None
-            if r.count(sentinel) == 1:
-                pre, post = r.split(sentinel)
-                probe = "  Probe: {{x}} <b> 'q' \"x\" {% y %}\n "
-                if self.render(n_images, probe) == pre + probe + post:
-                    split = (pre, post)
-            self._split[n_images] = split
-        split = self._split[n_images]
-        return self.render(n_images, question) if split is None else split[0] + question + split[1]
-
-
-def _pipeline(processor) -> _Pipeline:
-    pl = getattr(processor, "_ttx_pipeline", None)
-    if pl is None:
-        pl = _Pipeline(processor)
-        processor._ttx_pipeline = pl
-    return pl
-
-
-def build_text(processor, n_images: int, question: str, answer: str) -> tuple[str, int]:
-    """(full chat text with one ``<|image_pad|>`` per image, char offset where labels start)."""
-    pl = _pipeline(processor)
-    prompt = pl.prompt(n_images, question)
-    return prompt + answer + "<|im_end|>\n", len(prompt)
-
-
-def process_sample(
-    processor,
-    image: Image.Image | list[Image.Image] | None,
-    question: str,
-    answer: str,
-    max_len: int | None = None,
-    positions: bool = True,
-) -> VLSample:
-    """One VQA sample -> VLSample via the fast path. Raises SampleError (with ``reason``).
-
-    ``max_len``: raise ``too_long`` (cheaply, before any resize when the images alone are too
-    long). ``positions=False`` leaves ``position_ids`` empty (the cache recomputes them at read).
-    """
-    pl = _pipeline(processor)
-    images = [] if image is None else (list(image) if isinstance(image, (list, tuple)) else [image])
-    if not images:
-        raise SampleError("missing_image", "sample has no image")
-    question = "" if question is None else str(question)
-    answer = "" if answer is None else str(answer)
-    if not answer.strip():
-        raise SampleError("empty_text", "empty answer (no training target)")
-    for t in pl.specials:
-        if t in question or t in answer:
-            raise SampleError("placeholder_mismatch", f"text contains the special token {t}")
-    p = pl.params
-    # Cheap size check first (no resize): tokens per image from smart_resize on the header size.
-    grids, n_img_tokens = [], 0
-    for im in images:
-        rh, rw = p.target_size(im.height, im.width)
-        g = (1, rh // p.patch_size, rw // p.patch_size)
-        grids.append(g)
-        n_img_tokens += g[1] * g[2] // (p.merge_size**2)
-    if max_len is not None and n_img_tokens > max_len:
-        raise SampleError("too_long", f"{n_img_tokens} image tokens > seq_len {max_len}")
-    text, label_start = build_text(processor, len(images), question, answer)
-    enc = pl.backend.encode(text, add_special_tokens=False)
-    ids = np.asarray(enc.ids, dtype=np.int64)
-    starts = np.fromiter((o[0] for o in enc.offsets), dtype=np.int64, count=len(enc.offsets))
-    is_target = starts >= label_start
-    pad = pl.ids["image_pad_id"]
-    pad_pos = np.flatnonzero(ids == pad)
-    if len(pad_pos) != len(images):
-        raise SampleError(
-            "placeholder_mismatch", f"{len(pad_pos)} <|image_pad|> tokens for {len(images)} images"
-        )
-    reps = np.ones(len(ids), dtype=np.int64)
-    m2 = p.merge_size**2
-    for k, (t, gh, gw) in zip(pad_pos, grids, strict=True):
-        reps[k] = t * gh * gw // m2
-    total = int(reps.sum())
-    if max_len is not None and total > max_len:
-        raise SampleError("too_long", f"{total} tokens > seq_len {max_len}")
-    ids = np.repeat(ids, reps)
-    is_target = np.repeat(is_target, reps)
-    labels = np.where(is_target, ids, -100)
-    patches, out_grids = [], []
-    for im, g in zip(images, grids, strict=True):
-        u8, g2 = image_to_patches(load_image(im), p)
-        if g2 != g:  # a lying header, or a PNG's late EXIF orientation turned it by 90 degrees
-            raise SampleError("decode_error", f"decoded grid {g2} differs from the header's {g}")
-        patches.append(u8)
-        out_grids.append(g)
-    grid = np.asarray(out_grids, dtype=np.int64).reshape(-1, 3)
-    pos = position_rows(ids, grid, pad, p.merge_size) if positions else np.zeros((4, 0), np.int64)
-    return VLSample(
-        input_ids=torch.from_numpy(ids),
-        labels=torch.from_numpy(labels),
-        pixel_u8=torch.from_numpy(np.concatenate(patches) if len(patches) > 1 else patches[0]),
-        image_grid_thw=torch.from_numpy(grid),
-        position_ids=torch.from_numpy(pos),
-    )
-
-
-def hf_process(processor, images: list[Image.Image], question: str, answer: str) -> dict:
-    """The reference HF path: ``processor(text=..., images=...)`` -> float pixel_values etc."""
-    text, _ = build_text(processor, len(images), question, answer)
-    out = processor(text=[text], images=images, return_tensors="pt")
-    return dict(out)
 
 
 def processor_fingerprint(processor) -> dict[str, Any]:

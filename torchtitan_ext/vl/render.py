@@ -1,14 +1,20 @@
-"""Render one pack of a VL cache as a PNG: image thumbnails + a coloured token strip per sample.
+"""Render one pack of a VL cache as a PNG: image thumbnails + per sample a token strip and its turns.
 
 Images are rebuilt from the stored uint8 patches (the inverse of ``image_to_patches``' transpose),
-so the picture shows exactly what the model will see. Token colours: green = text with a label
-(assistant), blue-grey = text masked with -100, orange = image tokens, purple = vision start/end,
-light grey = padding. Measured: ~0.1 s for a 1024-token pack of 8 samples (PIL drawing).
+so the picture shows exactly what the model will see; each thumbnail is labelled with its sample
+and its place among that sample's images (``s2 #1``), and the same number marks its token run in
+the strip. Token colours: green = text with a label (the spans that carry loss), blue-grey = text
+masked with -100, orange = image tokens, purple = vision start/end, light grey = padding. A red
+tick marks every turn start (``<|im_start|>``). Under each strip, one line per turn: its role,
+how many of its tokens carry loss, and the start of its text (green when it carries loss).
+Measured: ~0.1 s for a 1024-token pack of 8 samples (PIL drawing).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -20,6 +26,7 @@ COLORS = {
     "vision": (150, 70, 200),
     "pad": (225, 225, 225),
 }
+TURN_TICK = (200, 30, 30)
 
 
 def unpatchify(u8: np.ndarray, grid: tuple[int, int, int], patch: int = 16, merge: int = 2):
@@ -30,23 +37,90 @@ def unpatchify(u8: np.ndarray, grid: tuple[int, int, int], patch: int = 16, merg
     return np.ascontiguousarray(a).reshape(gh * patch, gw * patch, 3)
 
 
+@dataclass
+class Turn:
+    """One turn of a sample, as token positions within the sample."""
+
+    role: str
+    start: int
+    end: int
+    loss_tokens: int
+    images: int
+
+
+def sample_turns(
+    ids: np.ndarray, labels: np.ndarray, special: dict[str, int], decode: Any = None
+) -> list[Turn]:
+    """The turns of one sample: split at every ``<|im_start|>``; the role is the text after it up
+    to the newline (``decode``: a tokenizer's decode; without one the role is ``?``). Tokens
+    before the first turn start, if any, are one turn of role ``-``."""
+    starts = np.flatnonzero(ids == special["im_start_id"]).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    bounds = [*starts, len(ids)]
+    img = ids == special["image_pad_id"]
+    run_start = np.flatnonzero(np.diff(np.concatenate(([0], img.view(np.int8)))) == 1)
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        role = "-" if ids[a] != special["im_start_id"] else "?"
+        if role == "?" and decode is not None:
+            head = decode([int(t) for t in ids[a + 1 : min(b, a + 12)]])
+            role = head.split("\n", 1)[0].strip() or "?"
+        out.append(
+            Turn(
+                role=role,
+                start=a,
+                end=b,
+                loss_tokens=int((labels[a:b] != -100).sum()),
+                images=int(((run_start >= a) & (run_start < b)).sum()),
+            )
+        )
+    return out
+
+
+def _token_kinds(ids: np.ndarray, labels: np.ndarray, sp: dict[str, int], n_content: int):
+    kind = np.full(len(ids), "masked", dtype=object)
+    kind[labels != -100] = "target"
+    kind[ids == sp["image_pad_id"]] = "image"
+    kind[(ids == sp["vision_start_id"]) | (ids == sp["vision_end_id"])] = "vision"
+    kind[n_content:] = "pad"
+    return kind
+
+
+def _images_per_sample(ids: np.ndarray, lens: list[int], pad: int) -> list[int]:
+    out, a = [], 0
+    for n in lens:
+        seg = ids[a : a + n] == pad
+        out.append(int((np.diff(np.concatenate(([0], seg.view(np.int8)))) == 1).sum()))
+        a += n
+    return out
+
+
+def _thumbnails(pix: np.ndarray, grid: np.ndarray, ip: dict[str, Any]) -> list[Image.Image]:
+    thumbs, off = [], 0
+    for g in grid:
+        n = int(g[0] * g[1] * g[2])
+        t = tuple(int(x) for x in g)
+        img = Image.fromarray(
+            unpatchify(pix[off : off + n], t, int(ip["patch_size"]), int(ip["merge_size"]))  # type: ignore[arg-type]
+        )
+        off += n
+        img.thumbnail((120, 120))
+        thumbs.append(img)
+    return thumbs
+
+
 def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: bool = True) -> Path:
     """Write a PNG of pack ``index`` of ``cache`` (a VLCache) to ``out``."""
     p = cache.pack(index)
     sp = cache.special_tokens
-    ip = cache.image_params
     ids = p["input_ids"].numpy()
     labels = p["labels"].numpy()
     lens = p["seq_lens"].numpy().tolist()
     grid = p["image_grid_thw"].numpy()
-    pix = p["pixel_u8"].numpy()
     L = len(ids)
-    kind = np.full(L, "masked", dtype=object)
-    kind[labels != -100] = "target"
-    kind[ids == sp["image_pad_id"]] = "image"
-    kind[(ids == sp["vision_start_id"]) | (ids == sp["vision_end_id"])] = "vision"
     n_content = int(sum(lens))
-    kind[n_content:] = "pad"
+    kind = _token_kinds(ids, labels, sp, n_content)
 
     tok = None
     if decode:
@@ -56,22 +130,16 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
             tok = load_processor(cache.metadata["config"].get("model_path")).tokenizer
         except (OSError, ValueError):
             tok = None  # no processor available here: render without text snippets
+    dec = None if tok is None else (lambda t: tok.decode(t, skip_special_tokens=False))
 
-    # thumbnails
-    thumbs, off = [], 0
-    for g in grid:
-        n = int(g[0] * g[1] * g[2])
-        img = Image.fromarray(
-            unpatchify(
-                pix[off : off + n],
-                tuple(int(x) for x in g),
-                int(ip["patch_size"]),
-                int(ip["merge_size"]),
-            )
-        )
-        off += n
-        img.thumbnail((120, 120))
-        thumbs.append(img)
+    thumbs = _thumbnails(p["pixel_u8"].numpy(), grid, cache.image_params)
+    per_sample = _images_per_sample(ids, lens, sp["image_pad_id"])
+    owner = [(s, k) for s, n in enumerate(per_sample) for k in range(n)]
+    turns, a = [], 0
+    for n in lens:
+        turns.append(sample_turns(ids[a : a + n], labels[a : a + n], sp, dec))
+        a += n
+
     margin = 10
     longest = max([*lens, L - n_content, 1])
     cell = int(min(8, max(2, (width - 20) // longest)))  # wide cells for short packs
@@ -82,7 +150,7 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     h = (
         30
         + thumb_rows * 140
-        + sum(34 + 8 * k for k in lines_per_sample)
+        + sum(34 + 10 * k + 13 * len(t) for k, t in zip(lines_per_sample, turns, strict=True))
         + (30 + 8 * pad_lines if pad_lines else 0)
         + 40
     )
@@ -91,7 +159,8 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     d.text(
         (margin, 8),
         f"pack {index}: L={L}, {len(lens)} samples, {n_content} tokens "
-        f"({100 * n_content / max(L, 1):.1f}% fill), {len(grid)} images, {len(pix)} patches",
+        f"({100 * n_content / max(L, 1):.1f}% fill), {len(grid)} images, {len(p['pixel_u8'])} "
+        "patches",
         fill="black",
     )
     x, y = margin, 30
@@ -99,39 +168,43 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
         if x + 128 > width:
             x, y = margin, y + 140
         canvas.paste(t, (x, y))
-        d.text((x, y + t.height + 2), f"img {k} {grid[k][1]}x{grid[k][2]}", fill="black")
+        s, j = owner[k]
+        d.text((x, y + t.height + 2), f"s{s} #{j} {grid[k][1]}x{grid[k][2]}", fill="black")
         x += 128
     y += 140
     a = 0
     for s, n in enumerate(lens):
-        seg_ids = ids[a : a + n]
-        desc = (
-            f"sample {s}: {n} tokens, {int((kind[a : a + n] == 'image').sum())} image, "
-            f"{int((kind[a : a + n] == 'target').sum())} target"
+        d.text(
+            (margin, y),
+            f"sample {s}: {n} tokens, {per_sample[s]} images, {len(turns[s])} turns, "
+            f"{int((kind[a : a + n] == 'target').sum())} tokens with loss",
+            fill="black",
         )
-        if tok is not None:
-            text = tok.decode(
-                [int(t) for t in seg_ids if t != sp["image_pad_id"]], skip_special_tokens=True
-            )
-            desc += "  |  " + " ".join(text.split())[:110]
-        d.text((margin, y), desc, fill="black")
         y += 14
-        for j in range(n):
-            r, c = divmod(j, per_line)
-            x0, y0 = margin + c * cell, y + r * 8
-            d.rectangle([x0, y0, x0 + cell - 1, y0 + 5], fill=COLORS[kind[a + j]])
-        y += 8 * lines_per_sample[s] + 20
+        y = _strip(d, kind[a : a + n], ids[a : a + n], sp, margin, y, cell, per_line)
+        for t in turns[s]:
+            text = ""
+            if dec is not None:
+                body = [int(v) for v in ids[a + t.start : a + t.end] if v != sp["image_pad_id"]]
+                text = dec(body)
+                if t.role != "-":  # the turn's header is its role, shown in brackets
+                    text = text.split("\n", 1)[-1]
+                text = " ".join(text.split())
+            what = f"[{t.role}] loss {t.loss_tokens}" + (f", {t.images} img" if t.images else "")
+            d.text(
+                (margin + 8, y),
+                f"{what}  {text}"[:150],
+                fill=COLORS["target"] if t.loss_tokens else (90, 90, 90),
+            )
+            y += 13
+        y += 14
         a += n
     if pad_lines:
         d.text((margin, y), f"padding: {L - n_content} tokens", fill="black")
         y += 14
-        for j in range(L - n_content):
-            r, c = divmod(j, per_line)
-            x0, y0 = margin + c * cell, y + r * 8
-            d.rectangle([x0, y0, x0 + cell - 1, y0 + 5], fill=COLORS["pad"])
-        y += 8 * pad_lines + 16
+        y = _strip(d, kind[n_content:], ids[n_content:], sp, margin, y, cell, per_line)
     x = margin
-    for name, col in COLORS.items():
+    for name, col in [*COLORS.items(), ("turn start", TURN_TICK)]:
         d.rectangle([x, y, x + 12, y + 10], fill=col)
         d.text((x + 16, y), name, fill="black")
         x += 110
@@ -139,3 +212,19 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     out.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(out)
     return out
+
+
+def _strip(d, kind, ids, sp, x0: int, y: int, cell: int, per_line: int) -> int:
+    """One sample's coloured token cells (turn starts ticked, image runs numbered); returns the
+    y below it."""
+    n, img_no = len(kind), 0
+    for j in range(n):
+        r, c = divmod(j, per_line)
+        x, yy = x0 + c * cell, y + r * 10
+        d.rectangle([x, yy, x + cell - 1, yy + 5], fill=COLORS[kind[j]])
+        if ids[j] == sp["im_start_id"] and kind[j] != "pad":
+            d.rectangle([x, yy - 2, x + max(0, cell // 3), yy + 7], fill=TURN_TICK)
+        if kind[j] == "image" and (j == 0 or kind[j - 1] != "image"):
+            d.text((x, yy + 5), f"#{img_no}", fill=COLORS["image"])
+            img_no += 1
+    return y + 10 * max(1, -(-n // per_line)) + 6

@@ -9,8 +9,8 @@ one Parquet file loadable by ``datasets.load_dataset("parquet", data_files=...)`
 ``image`` (HF ``Image`` feature: {bytes, path}), ``question``, ``answer``.
 
 ``bad_rows=True`` appends the hard cases the preprocessing must count or reject: corrupt and
-truncated bytes, a missing image, a 1x1 image (valid: upscaled to 256x256), a very large and an
-extreme-aspect image, empty and overlong text, a placeholder mismatch (a special token in the text).
+truncated bytes, a missing image (a path to no file), a 1x1 image (valid: upscaled to 256x256),
+a very large and an extreme-aspect image, empty and overlong text, a placeholder mismatch (a special token in the text).
 Generation of 300 rows takes ~1 s; ``sample_dataset_path()`` caches the result on disk (with a
 manifest of sizes and digests: a damaged or different directory is rebuilt).
 """
@@ -25,7 +25,7 @@ from PIL import Image, ImageOps
 
 from torchtitan_ext.data.cachedir import build_atomically, cache_root
 
-SAMPLE_VERSION = 1
+SAMPLE_VERSION = 2  # 2: the missing image is a path to no file
 
 # Expected skip reasons of the bad rows (row name -> reason; the 1x1 image is valid).
 BAD_ROW_REASONS: dict[str, str | None] = {
@@ -120,7 +120,8 @@ def _bad_rows(rng: random.Random, good: bytes) -> list[dict]:
     ]
     return [
         {
-            "image": None if b is None else {"bytes": b, "path": None},
+            # no bytes and a path that does not exist (a null image is a valid text-only row)
+            "image": {"bytes": b, "path": None if b is not None else "no_such_image.jpg"},
             "question": q,
             "answer": a,
             "kind": k,

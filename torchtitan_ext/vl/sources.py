@@ -7,12 +7,12 @@ Reading a row is two separate steps, so that a new layout never touches a reader
    row holding the named columns exactly as pyarrow / ``datasets`` return them (an image cell is
    bytes, a ``{"bytes", "path"}`` struct or a list of them). It also fingerprints its data for the
    cache key and knows its column names.
-2. A **layout** chooses its columns from the source's schema (``detect``) and turns a raw row into
-   a sample (``parse``). Today there is one: :class:`VQALayout` (image, question, answer). A chat,
-   multi-image or LLaVA layout is another class with the same three members; the layout's
-   ``describe()`` is part of the cache key.
+2. A **layout** (``vl/layouts.py``: ``vqa``, ``messages``, ``llava``, ``cauldron``) chooses its
+   columns from the source's schema and turns a raw row into a conversation (``parse``); the
+   layout's ``describe()`` is part of the cache key.
 
-:func:`open_source` pairs the two (:class:`Rows`). Nothing here decodes an image.
+:func:`open_source` pairs the two (:class:`Rows`) and knows the dataset directory that relative
+image paths are read from. Nothing here decodes an image.
 
 Fingerprint (``fingerprint="full"``, the default): the sha256 of the whole of every source file,
 streamed (~1 GB/s on one core), remembered per file under the asset cache
@@ -32,14 +32,19 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from torchtitan_ext.data.cachedir import sha256_file as _sha256_stream
+from torchtitan_ext.vl.layouts import ChatSample, Layout, VQALayout, choose_layout
+
+__all__ = [
+    "ChatSample", "HubSource", "Layout", "ParquetSource", "RowSource", "Rows", "VQALayout",
+    "open_source",
+]  # fmt: skip
 
 Fingerprint = Literal["full", "quick"]
 FINGERPRINTS: tuple[str, ...] = ("full", "quick")
@@ -142,6 +147,8 @@ class RowSource:
     column_names: list[str]
     where: str
     """What to name in an error about this source (a file or dataset id)."""
+    root: Path | None = None
+    """The dataset directory: relative image paths in the rows are read relative to it."""
 
     def fingerprint(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -197,6 +204,8 @@ class ParquetSource(RowSource):
 
         self.files = _resolve_files(str(dataset), split)
         self.name = Path(str(dataset).rstrip("/")).stem or "dataset"
+        d = Path(dataset)
+        self.root = d if d.is_dir() else Path(os.path.commonpath([f.parent for f in self.files]))
         self.where = str(self.files[0])
         self._pq = pq
         self._meta = [pq.ParquetFile(f).metadata for f in self.files]
@@ -253,9 +262,11 @@ class HubSource(RowSource):
         self.name = dataset.replace("/", "_")
         self.where = dataset
         self.column_names = list(self.ds.column_names)
-        for c, feat in self.ds.features.items():
-            if isinstance(feat, datasets.Image):  # raw {"bytes", "path"}: decoded by us
+        for c, feat in self.ds.features.items():  # raw {"bytes", "path"}: decoded by us
+            if isinstance(feat, datasets.Image):
                 self.ds = self.ds.cast_column(c, datasets.Image(decode=False))
+            elif isinstance(getattr(feat, "feature", None), datasets.Image):  # a list of images
+                self.ds = self.ds.cast_column(c, datasets.List(datasets.Image(decode=False)))
         self.num_rows = len(self.ds)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -267,85 +278,16 @@ class HubSource(RowSource):
 
 
 # ----------------------------------------------------------------------------------------------
-# layouts: raw row -> sample
-
-
-@dataclass
-class VQASample:
-    """One parsed row of the VQA layout: raw image cells, one user question, one answer."""
-
-    images: list[Any] = field(default_factory=list)
-    """Image cells as stored (bytes, ``{"bytes", "path"}``, PIL images); decoded by the
-    processor step."""
-    question: str | None = None
-    answer: str | None = None
-
-
-def _pick(names: Sequence[str], options: Sequence[str], what: str, where: str) -> str:
-    for o in options:
-        if o in names:
-            return o
-    raise ValueError(f"{where}: no {what} column (looked for {list(options)}; have {list(names)})")
-
-
-@dataclass(frozen=True)
-class VQALayout:
-    """Single-turn visual QA rows: an image (or a list of images), a question, an answer.
-
-    The answer may be a VQAv2-style list of answers (strings or ``{"answer": ...}`` dicts): the
-    first one is used.
-    """
-
-    image: str
-    question: str
-    answer: str
-    name: str = "vqa"
-
-    IMAGE_COLS = ("image", "images", "img")
-    QUESTION_COLS = ("question", "prompt", "query")
-    ANSWER_COLS = ("answer", "multiple_choice_answer", "answers", "response")
-
-    @classmethod
-    def detect(cls, columns: Sequence[str], where: str) -> VQALayout:
-        """The first matching column of each role, or a ValueError naming what is missing."""
-        return cls(
-            image=_pick(columns, cls.IMAGE_COLS, "image", where),
-            question=_pick(columns, cls.QUESTION_COLS, "question", where),
-            answer=_pick(columns, cls.ANSWER_COLS, "answer", where),
-        )
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return (self.image, self.question, self.answer)
-
-    def describe(self) -> dict[str, Any]:
-        """The layout and its column mapping (part of the cache key)."""
-        return {
-            "layout": self.name,
-            "columns": dict(zip(("image", "question", "answer"), self.columns, strict=True)),
-        }
-
-    def parse(self, raw: dict[str, Any]) -> VQASample:
-        img = raw.get(self.image)
-        ans = raw.get(self.answer)
-        if isinstance(ans, list):
-            ans = ans[0] if ans else ""
-            ans = ans.get("answer", "") if isinstance(ans, dict) else ans
-        images = list(img) if isinstance(img, list) else [img]
-        return VQASample(images=images, question=raw.get(self.question), answer=ans)
-
-
-# ----------------------------------------------------------------------------------------------
 # source + layout
 
 
 class Rows:
     """A source read through a layout: ``read`` gives raw rows, ``parse`` turns one into a
-    sample. ``name``, ``num_rows``, ``fingerprint()`` are the source's."""
+    conversation. ``name``, ``num_rows``, ``root``, ``fingerprint()`` are the source's."""
 
-    def __init__(self, source: RowSource, layout: VQALayout):
+    def __init__(self, source: RowSource, layout: Layout):
         self.source, self.layout = source, layout
-        self.name, self.num_rows = source.name, source.num_rows
+        self.name, self.num_rows, self.root = source.name, source.num_rows, source.root
 
     def fingerprint(self) -> dict[str, Any]:
         return self.source.fingerprint()
@@ -354,15 +296,20 @@ class Rows:
         """Raw rows ``[start, stop)``, holding the layout's columns."""
         return self.source.read(start, stop, self.layout.columns)
 
-    def parse(self, raw: dict[str, Any]) -> VQASample:
+    def parse(self, raw: dict[str, Any]) -> ChatSample:
         return self.layout.parse(raw)
 
 
 def open_source(
-    dataset: str | Path, split: str, fingerprint: Fingerprint = DEFAULT_FINGERPRINT
+    dataset: str | Path,
+    split: str,
+    fingerprint: Fingerprint = DEFAULT_FINGERPRINT,
+    format: str = "auto",
+    columns: Mapping[str, str] | None = None,
 ) -> Rows:
     """Local path (file, dir, glob) -> Parquet; anything else -> a hub dataset; the layout is
-    detected from the columns."""
+    ``format`` (``"auto"``: detected from the columns), ``columns`` naming role -> column where
+    detection should not guess (``vl/layouts.py``)."""
     if fingerprint not in FINGERPRINTS:
         raise ValueError(f"fingerprint must be one of {FINGERPRINTS}, got {fingerprint!r}")
     s = str(dataset)
@@ -373,4 +320,4 @@ def open_source(
         raise FileNotFoundError(f"--dataset {s}: no such local path")
     else:
         src = HubSource(s, split)
-    return Rows(src, VQALayout.detect(src.column_names, src.where))
+    return Rows(src, choose_layout(src.column_names, src.where, format, columns or {}))

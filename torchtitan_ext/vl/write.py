@@ -62,6 +62,8 @@ class ProcessedRow:
     """uint8 [patches, 3 * patch_size**2] in the processor's row order."""
     grid_thw: np.ndarray
     """int32 [images, 3]."""
+    turns_dropped: int = 0
+    """Trailing turns cut off to fit ``seq_len`` (``truncate``); 0: the whole row."""
 
 
 @dataclass
@@ -84,6 +86,8 @@ class _ShardCounts:
     images: int = 0
     patches: int = 0
     rows_read: int = 0
+    truncated: int = 0
+    turns_dropped: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_rows: dict[str, list[int]] = field(default_factory=dict)
     skipped_errors: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -142,6 +146,8 @@ def write_shard(
             counts.skip(r)
         else:
             ok.append(r)
+            counts.truncated += r.turns_dropped > 0
+            counts.turns_dropped += r.turns_dropped
     order, offsets, pack_len = _pack_order(ok, seq_len, buffer_size, buckets)
 
     def cat(xs: list[np.ndarray], dtype, tail=()) -> torch.Tensor:
@@ -255,7 +261,8 @@ def _dist(xs: Sequence[float]) -> dict[str, float]:
     }
 
 
-_TOTALS = ("packs", "samples", "tokens", "padded_tokens", "images", "patches", "rows_read")
+_TOTALS = ("packs", "samples", "tokens", "padded_tokens", "images", "patches", "rows_read",
+           "truncated", "turns_dropped")  # fmt: skip
 
 
 def _gather(kdir: Path, ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
@@ -302,6 +309,8 @@ def _packing_stats(g: dict[str, Any], kdir: Path) -> dict[str, Any]:
         "packs": tot["packs"],
         "rows_read": tot["rows_read"],
         "samples_packed": tot["samples"],
+        "samples_truncated": tot["truncated"],
+        "turns_dropped": tot["turns_dropped"],
         "skipped_total": n_skip,
         "skipped": dict(sorted(skipped.items())),
         "skipped_example_rows": dict(sorted(g["rows"].items())),

@@ -1,0 +1,242 @@
+"""Preflight checks of a ``qwen3_vl`` job (``torchtitan_ext.preflight.MODEL_CHECKS``).
+
+They run after the generic checks (paths, parallel degrees, tokenizer, checkpoint) and before
+anything is built; each failure is one :class:`~torchtitan_ext.toml_config.ConfigError` naming
+the file and the key to change, and none needs the model, the cache's data or a process group:
+
+- **parallelism**: data parallelism only (FSDP on the ``partial_dtensor`` backend);
+- **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``
+  (:func:`check_format_owner`, run for every job, refuses that format for any other model);
+- **tokens**: the model's image / video / vision start / vision end token ids must be those of
+  the processor that tokenizes the cache (``[dataloader] model_path``, by default the model's
+  own in ``hf_assets_path``: ``loaders.vl.processor_path``), and its vocabulary must hold every
+  token id of that tokenizer; an explicit ``cache_path`` is checked against the ids recorded in
+  its manifest;
+- **pack length**: an explicit ``cache_path`` must have been built for the job's pack length;
+- **weights**: ``config.json`` in ``hf_assets_path`` must describe the flavor's architecture;
+  safetensors there must be loaded (``[checkpoint] enable`` + ``initial_load_in_hf``) and
+  ``initial_load_in_hf`` needs safetensors to load.
+
+``[model] flavor`` itself is checked when the flavor is looked up (``flavor_config``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torchtitan_ext.models.qwen3_vl.flavors import (
+    architecture_mismatches,
+    build_hf_config,
+    flavor_config,
+)
+
+FORMAT = "qwen3_vl"
+# torchtitan's special-token names (as vl.collate.check_special_tokens compares them) -> the
+# model config's keys
+TOKEN_KEYS = {
+    "image_id": "image_token_id",
+    "video_id": "video_token_id",
+    "vision_start_id": "vision_start_token_id",
+    "vision_end_id": "vision_end_token_id",
+}
+
+
+def check(job: Any) -> None:
+    """Every check of the module docstring on ``job.config`` (a ``preflight.Job``)."""
+    from torchtitan_ext.toml_config import ConfigError
+
+    cfg, file = job.config, job.file
+
+    def fail(msg: str) -> ConfigError:
+        return ConfigError(f"{file}: {msg}")
+
+    hf_config = cfg.model_spec.model.hf_config
+    flavor = cfg.model_spec.flavor
+    _check_parallelism(cfg.parallelism, fail)
+    for where, loader in job.loaders():
+        _check_format(where, loader, fail)
+        _check_tokens(cfg, flavor, hf_config, where, loader, fail)
+        _check_explicit_cache(cfg, flavor, hf_config, where, loader, fail)
+    _check_chunked_loss(cfg, fail)
+    _check_weights(cfg, flavor, fail)
+
+
+def check_format_owner(job: Any) -> None:
+    """``batch_format = "qwen3_vl"`` is the input of the qwen3_vl model only (any job)."""
+    from torchtitan_ext.toml_config import ConfigError
+
+    module = job.config.model.module
+    for where, loader in job.loaders():
+        if getattr(loader, "batch_format", None) == FORMAT and module != FORMAT:
+            raise ConfigError(
+                f"{job.file}: [{where}] batch_format = {FORMAT!r} is the input of [model] module "
+                f"{FORMAT!r}, not of {module!r}"
+            )
+
+
+def _check_parallelism(par: Any, fail: Any) -> None:
+    for key in (
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+    ):
+        if getattr(par, key) != 1:
+            raise fail(
+                f"[parallelism] {key} = {getattr(par, key)}: qwen3_vl supports data parallelism "
+                "only (FSDP); set it to 1"
+            )
+    if par.spmd_backend != "partial_dtensor":
+        raise fail(
+            f"[parallelism] spmd_backend = {par.spmd_backend!r}: qwen3_vl (transformers modules "
+            "under FSDP) needs 'partial_dtensor'"
+        )
+
+
+def _check_format(where: str, loader: Any, fail: Any) -> None:
+    fmt = getattr(loader, "batch_format", None)
+    if fmt is None:
+        raise fail(
+            f"[{where}] name: qwen3_vl trains on the cached_vl loader (offline Qwen3-VL "
+            f"cache); {type(loader).__qualname__} yields no Qwen3-VL batches"
+        )
+    if fmt != FORMAT:
+        raise fail(
+            f"[{where}] batch_format = {fmt!r} does not match [model] module 'qwen3_vl'; set "
+            f'batch_format = "{FORMAT}" (input, 4-row position_ids, pixel_values, '
+            "image_grid_thw and shifted labels for torchtitan's trainer)"
+        )
+
+
+def _processor_tokens(model_path: str | None) -> tuple[dict[str, int], int]:
+    from torchtitan_ext.vl.processor import load_processor, special_token_ids
+
+    proc = load_processor(model_path)
+    return special_token_ids(proc), len(proc.tokenizer)
+
+
+def _token_problems(
+    hf_config: dict, special: dict[str, int], vocab: int | None, model_from: str, cache_from: str
+) -> list[str]:
+    """Why the cache's special tokens / vocabulary do not fit the model ([] if they do)."""
+    from torchtitan_ext.vl.collate import check_special_tokens
+
+    out = []
+    try:
+        model_ids = {k: hf_config[v] for k, v in TOKEN_KEYS.items()}
+        check_special_tokens(model_ids, special, model_from=model_from, cache_from=cache_from)
+    except (ValueError, KeyError) as e:
+        out.append(str(e).strip("'\""))
+    model_vocab = hf_config["text_config"]["vocab_size"]
+    too_big = {k: v for k, v in special.items() if v >= model_vocab}
+    if too_big:
+        out.append(f"token ids {too_big} >= the model's vocab_size {model_vocab}")
+    if vocab is not None and vocab > model_vocab:
+        out.append(f"the tokenizer has {vocab} tokens > the model's vocab_size {model_vocab}")
+    return out
+
+
+def _check_tokens(
+    cfg: Any, flavor: str, hf_config: dict, where: str, loader: Any, fail: Any
+) -> None:
+    from torchtitan_ext.loaders.vl import processor_path
+
+    if getattr(loader, "cache_path", None):
+        return  # the cache's own recorded ids are checked instead
+    path = processor_path(loader.model_path, cfg.hf_assets_path)
+    try:
+        special, vocab = _processor_tokens(path)
+    except (OSError, ValueError) as e:
+        raise fail(f"[{where}] model_path: cannot load the Qwen3-VL processor: {e}") from None
+    src = path or "the embedded offline processor"
+    problems = _token_problems(
+        hf_config, special, vocab, f"[model] flavor {flavor!r}", f"the processor {src}"
+    )
+    if problems:
+        raise fail(
+            f"[model] flavor {flavor!r} does not fit the processor that tokenizes the cache "
+            f"([{where}] model_path / hf_assets_path: {src}): {'; '.join(problems)}"
+        )
+
+
+def _check_explicit_cache(
+    cfg: Any, flavor: str, hf_config: dict, where: str, loader: Any, fail: Any
+) -> None:
+    path = getattr(loader, "cache_path", None)
+    if not path:
+        return
+    meta_file = Path(path) / "metadata.json"
+    if not meta_file.is_file():
+        raise fail(f"[{where}] cache_path = {path!r} is not a cache directory (no metadata.json)")
+    meta = json.loads(meta_file.read_text())
+    problems = _token_problems(
+        hf_config,
+        meta.get("special_tokens", {}),
+        None,
+        f"[model] flavor {flavor!r}",
+        f"the VL cache {path}",
+    )
+    if problems:
+        raise fail(
+            f"[{where}] cache_path {path!r} was built with special tokens that do not fit "
+            f"[model] flavor {flavor!r}: {'; '.join(problems)}"
+        )
+    built = meta.get("config", {}).get("seq_len")
+    want = loader.pack_seq_len or cfg.training.seq_len
+    if built is not None and int(built) != int(want):
+        key = f"[{where}] pack_seq_len" if loader.pack_seq_len else "[training] seq_len"
+        raise fail(
+            f"{key} = {want} but [{where}] cache_path {path!r} holds packs of {built} tokens; "
+            f"set {key} = {built} or build a cache for {want}"
+        )
+
+
+def _check_chunked_loss(cfg: Any, fail: Any) -> None:
+    chunks = getattr(cfg.loss, "num_chunks", None)
+    if not chunks:
+        return
+    loader = cfg.dataloader
+    lengths = set(loader.buckets or []) | {loader.pack_seq_len or cfg.training.seq_len}
+    bad = sorted(n for n in lengths if n % chunks)
+    if bad:
+        raise fail(
+            f"[dataloader] buckets / pack length {bad} not divisible by [loss] num_chunks "
+            f"{chunks} (the chunked loss splits every batch's length evenly)"
+        )
+
+
+def _check_weights(cfg: Any, flavor: str, fail: Any) -> None:
+    assets = Path(cfg.hf_assets_path)
+    if (assets / "config.json").is_file():
+        from transformers import AutoConfig
+
+        try:
+            found = AutoConfig.from_pretrained(str(assets), local_files_only=True)
+            bad = architecture_mismatches(build_hf_config(flavor_config(flavor)), found)
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise fail(
+                f"hf_assets_path {str(assets)!r}: config.json is not a Qwen3-VL config "
+                f"({type(e).__name__}: {e})"
+            ) from None
+        if bad:
+            raise fail(
+                f"[model] flavor {flavor!r} does not match hf_assets_path {str(assets)!r} "
+                f"(config.json): {'; '.join(bad[:6])}"
+            )
+    ck = cfg.checkpoint
+    loads = ck.enable and ck.initial_load_in_hf
+    source = Path(ck.initial_load_path or assets)
+    if loads and not any(source.glob("*.safetensors")):
+        raise fail(
+            f"[checkpoint] initial_load_in_hf = true but {str(source)!r} holds no *.safetensors "
+            "(set it to false to start from random weights)"
+        )
+    if not loads and any(assets.glob("*.safetensors")):
+        raise fail(
+            f"hf_assets_path {str(assets)!r} holds weights (*.safetensors) that would not be "
+            "loaded: set [checkpoint] enable = true and initial_load_in_hf = true (add "
+            "load_only = true to load without saving checkpoints), or use a directory without "
+            "weights for a random start"
+        )

@@ -1,0 +1,409 @@
+"""Row layouts: which columns of a dataset hold what, and how a raw row becomes a conversation.
+
+Every layout turns a raw row (``vl/sources.py``: a dict of the row's columns as pyarrow or
+``datasets`` return them) into one :class:`ChatSample`: a conversation in Hugging Face's chat
+format plus the row's image cells in placeholder order. The rest of the pipeline (chat template,
+loss mask, images, packing) is the same for every layout.
+
+| layout | columns (first found; ``--<role>-column`` names another) | conversation |
+|---|---|---|
+| ``vqa`` | ``image``/``images``/``img`` (optional), ``question``/``prompt``/``query``, ``answer``/``multiple_choice_answer``/``answers``/``response`` | user: the images, then the question; assistant: the answer. A list of answers (VQAv2's ``answers``: strings or ``{"answer": ...}`` dicts) gives its most frequent answer (ties: the first). |
+| ``messages`` | ``messages``, ``images``/``image`` (optional) | HF / OpenAI chat: ``{role, content}`` turns, content a string or a list of ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts; the images column's images fill the image parts in order. |
+| ``llava`` | ``conversations``, ``image``/``images`` (optional) | LLaVA / ShareGPT: ``{"from": "human"/"gpt"/"system", "value": "...<image>..."}``; each ``<image>`` marker is an image part (the text around it is kept as it is, newlines included). |
+| ``cauldron`` | ``texts``, ``images`` (optional) | the_cauldron: ``[{"user", "assistant"}, ...]``; the images go first in the first user turn (as HF's Idefics2 fine-tuning does). |
+
+Roles: ``system``, ``user``, ``assistant`` (ShareGPT's ``human``/``gpt`` and a few other common
+names map onto them). A ``messages`` / ``conversations`` / ``texts`` cell may also be a JSON string.
+Image cells: an HF ``Image`` struct (``{"bytes", "path"}``), a path (relative paths are resolved
+against the dataset directory when the image is read), raw bytes, a PIL image, or a list of any
+of these; a null cell or an empty list means a text-only row.
+
+Choosing (:func:`choose_layout`): ``format="auto"`` picks the first layout whose columns the schema
+has, in the order ``messages``, ``llava``, ``cauldron``, ``vqa`` (a column override such as
+``messages_column`` points at its layout), and says what it picked from which columns. A named
+format must find its columns or it is an error naming them; a schema matching nothing is an
+error listing the columns found and the flags to use. A row a layout cannot read (an unknown
+role, a content part of another type, text that is not a string) is the row's counted skip
+``bad_conversation``; nothing here decodes an image.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
+
+logger = logging.getLogger(__name__)
+
+Format = Literal["auto", "vqa", "messages", "llava", "cauldron"]
+FORMATS: tuple[str, ...] = ("auto", "vqa", "messages", "llava", "cauldron")
+
+COLUMN_ROLES: tuple[str, ...] = (
+    "image",
+    "question",
+    "answer",
+    "messages",
+    "conversations",
+    "texts",
+)
+"""The column roles a user can name: BuildConfig field ``<role>_column``, flag ``--<role>-column``."""
+
+LLAVA_IMAGE = "<image>"
+"""The image marker inside LLaVA / ShareGPT turn values."""
+
+ROLE_NAMES: dict[str, str] = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
+"""Turn roles as datasets write them -> the chat template's roles."""
+
+
+@dataclass
+class ChatSample:
+    """One row as a conversation: what every layout produces."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """HF chat format: ``{"role", "content"}``, content a string or a list of ``{"type": "image"}``
+    / ``{"type": "text", "text": str}`` parts (normalised: no other keys)."""
+    images: list[Any] = field(default_factory=list)
+    """Image cells as stored, one per image part, in order; decoded by the processing step."""
+
+
+def _bad(message: str) -> Exception:
+    from torchtitan_ext.vl.processor import SampleError
+
+    return SampleError("bad_conversation", message)
+
+
+def image_cells(cell: Any) -> list[Any]:
+    """A row's image cell as a list: None -> [] (a text-only row); a list -> its items (a None
+    item stays, and is that image's ``missing_image``); anything else -> [cell]."""
+    if cell is None:
+        return []
+    if isinstance(cell, (list, tuple)):
+        return list(cell)
+    return [cell]
+
+
+def _json_cell(cell: Any, what: str) -> Any:
+    """A conversation cell stored as a JSON string is parsed; anything else is returned."""
+    if isinstance(cell, str):
+        try:
+            return json.loads(cell)
+        except ValueError as e:
+            raise _bad(f"{what} is a string but not JSON ({e})") from None
+    return cell
+
+
+def _turns(cell: Any, what: str) -> list[Mapping[str, Any]]:
+    cell = _json_cell(cell, what)
+    if cell is None:
+        raise _bad(f"{what} is null")
+    if not isinstance(cell, (list, tuple)) or not all(isinstance(t, Mapping) for t in cell):
+        raise _bad(f"{what} is not a list of turns ({type(cell).__name__})")
+    return list(cell)
+
+
+def _role(turn: Mapping[str, Any], k: int) -> str:
+    raw = turn.get("role", turn.get("from"))
+    role = ROLE_NAMES.get(str(raw).lower()) if isinstance(raw, str) else None
+    if role is None:
+        raise _bad(f"turn {k}: unknown role {raw!r} (expected one of {sorted(ROLE_NAMES)})")
+    return role
+
+
+def _text(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(f"{where}: text is {type(v).__name__}, not a string")
+    return v
+
+
+def _parts(content: Any, k: int) -> str | list[dict[str, Any]]:
+    """A messages-layout turn's content, normalised (see ChatSample.messages)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, (list, tuple)):
+        raise _bad(f"turn {k}: content is {type(content).__name__}")
+    out: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        if isinstance(p, str):
+            out.append({"type": "text", "text": p})
+            continue
+        if not isinstance(p, Mapping):
+            raise _bad(f"turn {k} part {j}: {type(p).__name__}, not a content part")
+        kind = p.get("type") or ("text" if p.get("text") is not None else None)
+        if kind in ("image", "image_url"):
+            out.append({"type": "image"})
+        elif kind == "text":
+            out.append({"type": "text", "text": _text(p.get("text"), f"turn {k} part {j}")})
+        else:
+            raise _bad(f"turn {k} part {j}: unsupported content type {kind!r}")
+    return out
+
+
+def _n_image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
+    return sum(
+        1
+        for m in messages
+        if not isinstance(m["content"], str)
+        for p in m["content"]
+        if p["type"] == "image"
+    )
+
+
+def vqa_messages(n_images: int, question: Any, answer: Any) -> list[dict[str, Any]]:
+    """The conversation of a VQA row: the images then the question, then the answer."""
+    user: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    user.append({"type": "text", "text": "" if question is None else str(question)})
+    return [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": "" if answer is None else str(answer)},
+    ]
+
+
+def _most_frequent(answers: Sequence[Any]) -> Any:
+    vals = [a.get("answer") if isinstance(a, Mapping) else a for a in answers]
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return None
+    counts = Counter(vals)
+    best = max(counts.values())
+    return next(v for v in vals if counts[v] == best)
+
+
+# ----------------------------------------------------------------------------------------------
+# layouts
+
+
+class Layout:
+    """What every layout has: its role fields (dataclass fields named after ``COLUMN_ROLES``),
+    ``detect``/``match`` from a schema, ``columns``, ``describe()`` (part of the cache key) and
+    ``parse(raw) -> ChatSample``."""
+
+    name: ClassVar[str]
+    ROLES: ClassVar[dict[str, tuple[str, ...]]]
+    """Role -> the column names looked for, in order."""
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("image",)
+
+    @classmethod
+    def match(cls, columns: Sequence[str], overrides: Mapping[str, str], where: str):
+        """This layout's columns in ``columns`` (an override must exist), or the first required
+        role that has none (a str)."""
+        chosen: dict[str, str | None] = {}
+        for role, options in cls.ROLES.items():
+            if role in overrides:
+                col = overrides[role]
+                if col not in columns:
+                    raise ValueError(
+                        f"{where}: --{role}-column {col!r} is not a column (have {list(columns)})"
+                    )
+            else:
+                col = next((o for o in options if o in columns), None)
+            if col is None and role not in cls.OPTIONAL:
+                return role
+            chosen[role] = col
+        return cls(**chosen)
+
+    @classmethod
+    def detect(cls, columns: Sequence[str], where: str, overrides: Mapping[str, str] = {}):
+        """This layout's columns, or a ValueError naming the role that has none."""
+        got = cls.match(columns, overrides, where)
+        if isinstance(got, str):
+            raise ValueError(
+                f"{where}: no {got} column for the {cls.name} layout (looked for "
+                f"{list(cls.ROLES[got])}; have {list(columns)}); name it with --{got}-column"
+            )
+        return got
+
+    def mapping(self) -> dict[str, str | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns a source reads for this layout."""
+        return tuple(c for c in self.mapping().values() if c is not None)
+
+    def describe(self) -> dict[str, Any]:
+        """The layout and its column mapping (part of the cache key)."""
+        return {"layout": self.name, "columns": self.mapping()}
+
+    def parse(self, raw: dict[str, Any]) -> ChatSample:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class VQALayout(Layout):
+    """Single-turn visual QA: images + question -> answer (see the module table)."""
+
+    image: str | None
+    question: str
+    answer: str
+    name: ClassVar[str] = "vqa"
+    ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "image": ("image", "images", "img"),
+        "question": ("question", "prompt", "query"),
+        "answer": ("answer", "multiple_choice_answer", "answers", "response"),
+    }
+
+    def parse(self, raw: dict[str, Any]) -> ChatSample:
+        images = image_cells(raw.get(self.image)) if self.image else []
+        ans = raw.get(self.answer)
+        if isinstance(ans, (list, tuple)):
+            ans = _most_frequent(ans)
+        return ChatSample(vqa_messages(len(images), raw.get(self.question), ans), images)
+
+
+@dataclass(frozen=True)
+class MessagesLayout(Layout):
+    """HF / OpenAI chat ``messages`` + an images column (see the module table)."""
+
+    messages: str
+    image: str | None
+    name: ClassVar[str] = "messages"
+    ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "messages": ("messages",),
+        "image": ("images", "image"),
+    }
+
+    def parse(self, raw: dict[str, Any]) -> ChatSample:
+        turns = _turns(raw.get(self.messages), f"column {self.messages!r}")
+        msgs = []
+        for k, t in enumerate(turns):
+            content = t.get("content", t.get("value"))
+            msgs.append({"role": _role(t, k), "content": _parts(content, k)})
+        images = image_cells(raw.get(self.image)) if self.image else []
+        return ChatSample(messages=msgs, images=images)
+
+
+@dataclass(frozen=True)
+class LlavaLayout(Layout):
+    """LLaVA / ShareGPT ``conversations`` with ``<image>`` markers (see the module table)."""
+
+    conversations: str
+    image: str | None
+    name: ClassVar[str] = "llava"
+    ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "conversations": ("conversations",),
+        "image": ("image", "images"),
+    }
+
+    def parse(self, raw: dict[str, Any]) -> ChatSample:
+        turns = _turns(raw.get(self.conversations), f"column {self.conversations!r}")
+        msgs = []
+        for k, t in enumerate(turns):
+            value = _text(t.get("value", t.get("content")), f"turn {k}")
+            role = _role(t, k)
+            if LLAVA_IMAGE not in value:
+                msgs.append({"role": role, "content": value})
+                continue
+            parts: list[dict[str, Any]] = []
+            for j, piece in enumerate(value.split(LLAVA_IMAGE)):
+                if j:
+                    parts.append({"type": "image"})
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+            msgs.append({"role": role, "content": parts})
+        images = image_cells(raw.get(self.image)) if self.image else []
+        return ChatSample(messages=msgs, images=images)
+
+
+@dataclass(frozen=True)
+class CauldronLayout(Layout):
+    """the_cauldron: ``images`` + ``texts = [{"user", "assistant"}, ...]`` (see the module
+    table)."""
+
+    texts: str
+    image: str | None
+    name: ClassVar[str] = "cauldron"
+    ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "texts": ("texts",),
+        "image": ("images", "image"),
+    }
+
+    def parse(self, raw: dict[str, Any]) -> ChatSample:
+        turns = _turns(raw.get(self.texts), f"column {self.texts!r}")
+        if not turns:
+            raise _bad(f"column {self.texts!r} holds no turn")
+        images = image_cells(raw.get(self.image)) if self.image else []
+        msgs: list[dict[str, Any]] = []
+        for k, t in enumerate(turns):
+            user = _text(t.get("user"), f"turn {k} user")
+            content: list[dict[str, Any]] = [{"type": "image"} for _ in images] if k == 0 else []
+            content.append({"type": "text", "text": user})
+            msgs.append({"role": "user", "content": content})
+            msgs.append({"role": "assistant", "content": _text(t.get("assistant"), f"turn {k}")})
+        return ChatSample(messages=msgs, images=images)
+
+
+LAYOUTS: dict[str, type[Layout]] = {
+    "messages": MessagesLayout,
+    "llava": LlavaLayout,
+    "cauldron": CauldronLayout,
+    "vqa": VQALayout,
+}
+"""In auto-detection order: the conversation layouts first (their column names are specific)."""
+
+_OWNER = {"messages": "messages", "conversations": "llava", "texts": "cauldron",
+          "question": "vqa", "answer": "vqa"}  # fmt: skip
+
+
+def _flags() -> str:
+    return " / ".join(f"--{r}-column" for r in COLUMN_ROLES)
+
+
+def column_overrides(config: Any) -> dict[str, str]:
+    """The ``<role>_column`` attributes of a config (a BuildConfig, a loader Config) that are
+    set."""
+    out = {}
+    for role in COLUMN_ROLES:
+        v = getattr(config, f"{role}_column", None)
+        if v:
+            out[role] = str(v)
+    return out
+
+
+def choose_layout(
+    columns: Sequence[str], where: str, format: str = "auto", overrides: Mapping[str, str] = {}
+) -> Layout:
+    """The layout of a schema (see the module docstring); logs the choice."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    owners = {_OWNER[r] for r in overrides if r in _OWNER}
+    if format == "auto" and len(owners) == 1:
+        format = owners.pop()
+    if format != "auto":
+        cls = LAYOUTS[format]
+        extra = sorted(set(overrides) - set(cls.ROLES))
+        if extra:
+            raise ValueError(
+                f"{where}: the {format} layout has no {extra[0]} column (its columns: "
+                f"{', '.join(cls.ROLES)}); drop --{extra[0]}-column"
+            )
+        layout = cls.detect(columns, where, overrides)
+        how = "as asked"
+    else:
+        found = [cls.match(columns, overrides, where) for cls in LAYOUTS.values()]
+        layout = next((x for x in found if isinstance(x, Layout)), None)  # type: ignore[assignment]
+        if layout is None:
+            raise ValueError(
+                f"{where}: cannot tell the row layout from the columns {list(columns)}: expected "
+                "'messages' (--format messages), 'conversations' (llava), 'texts' (cauldron) or "
+                "question + answer columns (vqa); name yours with --format and "
+                f"{_flags()}"
+            )
+        how = "detected"
+    cols = ", ".join(f"{r}={c!r}" for r, c in layout.mapping().items() if c is not None)
+    logger.info("%s: row layout %s (%s) from columns %s", where, layout.name, how, cols)
+    return layout

@@ -1,0 +1,243 @@
+"""One conversation + its images -> one processed sample (token ids, labels, uint8 patches, grids).
+
+:func:`process_chat` is the per-row step of every layout (``vl/layouts.py`` makes the
+conversation, ``vl/build.py`` decodes the image headers):
+
+1. the texts are checked for Qwen's special-token strings (``placeholder_mismatch``);
+2. each image's grid comes from ``smart_resize`` on its header size (no pixels decoded yet);
+3. the conversation is rendered with the processor's chat template and the assistant spans are
+   located (``vl/chat.py``), tokenised once with offsets; a token overlapping a span is a target;
+4. the ``<|image_pad|>`` count must equal the image count, and no two may touch
+   (``placeholder_mismatch``); a conversation whose assistant turns are all blank is
+   ``empty_text``; a sample longer than ``max_len`` is ``too_long`` -- or, with ``truncate``, loses
+   whole trailing turns (and their images) until it fits, cut after an assistant turn so the loss
+   mask stays whole (``extra["turns_dropped"]``);
+5. each ``<|image_pad|>`` is expanded to ``t*h*w/merge²`` copies -- the ids the HF processor
+   produces -- and the images are resized and patchified (``processor.image_to_patches``); an
+   image that fails names its index in the row's list.
+
+The result equals ``Qwen3VLProcessor(text=apply_chat_template(messages), images=...)`` in ids and
+``image_grid_thw``, and in ``pixel_values`` after ``normalize_patches`` (tested per layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from torchtitan_ext.vl.chat import ChatText, renderer
+from torchtitan_ext.vl.layouts import vqa_messages
+from torchtitan_ext.vl.processor import (
+    QWEN_SPECIAL_TOKENS,
+    ImageParams,
+    SampleError,
+    image_to_patches,
+    load_image,
+    position_rows,
+    special_token_ids,
+)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class VLSample:
+    """One processed sample (no padding). ``pixel_u8`` rows are in the processor's layout."""
+
+    input_ids: torch.Tensor  # int64 [L]
+    labels: torch.Tensor  # int64 [L], -100 except assistant tokens
+    pixel_u8: torch.Tensor  # uint8 [N, 768]
+    image_grid_thw: torch.Tensor  # int64 [n_img, 3]
+    position_ids: torch.Tensor  # int64 [4, L] (row 0 text, rows 1..3 mRoPE)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, k: str):  # dict-style access for convenience
+        return getattr(self, k)
+
+
+class _Pipeline:
+    """Per-processor constants (computed once per processor)."""
+
+    def __init__(self, processor):
+        self.params = ImageParams.from_processor(processor)
+        self.ids = special_token_ids(processor)
+        tok = processor.tokenizer
+        self.backend = getattr(tok, "backend_tokenizer", None) or tok._tokenizer
+        self.specials = [t for t in QWEN_SPECIAL_TOKENS if t in tok.get_vocab()]
+        self.chat = renderer(processor)
+
+
+def _pipeline(processor) -> _Pipeline:
+    pl = getattr(processor, "_ttx_pipeline", None)
+    if pl is None:
+        pl = _Pipeline(processor)
+        processor._ttx_pipeline = pl
+    return pl
+
+
+@dataclass
+class _Encoded:
+    chat: ChatText
+    ids: np.ndarray
+    """int64 token ids, one ``<|image_pad|>`` per image."""
+    target: np.ndarray
+    """bool per token: overlaps an assistant span."""
+    pads: np.ndarray
+    """positions of the ``<|image_pad|>`` tokens."""
+
+
+def _encode(pl: _Pipeline, messages: list[dict[str, Any]]) -> _Encoded:
+    chat = pl.chat.render(messages)
+    enc = pl.backend.encode(chat.text, add_special_tokens=False)
+    ids = np.asarray(enc.ids, dtype=np.int64)
+    off = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    target = np.zeros(len(ids), dtype=bool)
+    if chat.spans and len(ids):
+        s = np.asarray(chat.spans, dtype=np.int64)
+        k = np.searchsorted(s[:, 1], off[:, 0], side="right")  # first span ending after start
+        inside = k < len(s)
+        target[inside] = s[k[inside], 0] < off[inside, 1]
+    return _Encoded(chat, ids, target, np.flatnonzero(ids == pl.ids["image_pad_id"]))
+
+
+def _check_texts(pl: _Pipeline, messages: Sequence[dict[str, Any]]) -> None:
+    for m in messages:
+        c = m["content"]
+        for text in [c] if isinstance(c, str) else [p["text"] for p in c if "text" in p]:
+            for t in pl.specials:
+                if t in text:
+                    raise SampleError(
+                        "placeholder_mismatch", f"{m['role']} text contains the special token {t}"
+                    )
+
+
+def _header_grids(p: ImageParams, images: Sequence[Image.Image]) -> list[tuple[int, int, int]]:
+    grids = []
+    for i, im in enumerate(images):
+        try:
+            rh, rw = p.target_size(im.height, im.width)
+        except SampleError as e:
+            raise e.at_image(i, len(images)) from None
+        grids.append((1, rh // p.patch_size, rw // p.patch_size))
+    return grids
+
+
+def _n_tokens(e: _Encoded, image_tokens: Sequence[int]) -> int:
+    n = len(e.pads)
+    return len(e.ids) - n + int(sum(image_tokens[:n]))
+
+
+def _truncated(
+    pl: _Pipeline, messages: list[dict[str, Any]], image_tokens: Sequence[int], max_len: int
+) -> tuple[_Encoded, int]:
+    """The longest prefix of whole turns ending with an assistant turn that fits ``max_len``
+    (its encoding, and the number of turns dropped), or ``too_long``."""
+    for k in range(len(messages) - 1, 0, -1):
+        if messages[k - 1]["role"] != "assistant":
+            continue
+        e = _encode(pl, messages[:k])
+        if not any(t.strip() for t in e.chat.assistant_texts):
+            break
+        if _n_tokens(e, image_tokens) <= max_len:
+            return e, len(messages) - k
+    raise SampleError("too_long", f"no prefix of whole turns fits seq_len {max_len}")
+
+
+def process_chat(
+    processor,
+    messages: list[dict[str, Any]],
+    images: Sequence[Image.Image],
+    max_len: int | None = None,
+    positions: bool = True,
+    truncate: bool = False,
+) -> VLSample:
+    """A conversation (HF chat format, see ``vl/layouts.py``) and its images (PIL, opened
+    lazily) -> VLSample via the fast path (module docstring). Raises SampleError (``reason``).
+    ``positions=False`` leaves ``position_ids`` empty (the cache recomputes them at read)."""
+    pl = _pipeline(processor)
+    p = pl.params
+    images = list(images)
+    _check_texts(pl, messages)
+    grids = _header_grids(p, images)
+    m2 = p.merge_size**2
+    image_tokens = [t * h * w // m2 for t, h, w in grids]
+    if max_len is not None and not truncate and sum(image_tokens) > max_len:
+        raise SampleError("too_long", f"{sum(image_tokens)} image tokens > seq_len {max_len}")
+    e = _encode(pl, messages)
+    if len(e.pads) != len(images):
+        raise SampleError(
+            "placeholder_mismatch",
+            f"{len(e.pads)} image placeholders rendered for {len(images)} images",
+        )
+    if len(e.pads) > 1 and (np.diff(e.pads) == 1).any():
+        raise SampleError("placeholder_mismatch", "two image placeholders touch (one run)")
+    if not any(t.strip() for t in e.chat.assistant_texts):
+        raise SampleError("empty_text", "no assistant text (no training target)")
+    dropped = 0
+    total = _n_tokens(e, image_tokens)
+    if max_len is not None and total > max_len:
+        if not truncate:
+            raise SampleError("too_long", f"{total} tokens > seq_len {max_len}")
+        e, dropped = _truncated(pl, messages, image_tokens, max_len)
+        images, grids = images[: len(e.pads)], grids[: len(e.pads)]
+    reps = np.ones(len(e.ids), dtype=np.int64)
+    reps[e.pads] = image_tokens[: len(e.pads)]
+    ids = np.repeat(e.ids, reps)
+    labels = np.where(np.repeat(e.target, reps), ids, IGNORE_INDEX)
+    patches = []
+    for i, (im, g) in enumerate(zip(images, grids, strict=True)):
+        try:
+            u8, g2 = image_to_patches(load_image(im), p)
+            if g2 != g:  # a lying header, or a PNG's late EXIF orientation turned it by 90 degrees
+                raise SampleError(
+                    "decode_error", f"decoded grid {g2} differs from the header's {g}"
+                )
+        except SampleError as err:
+            raise err.at_image(i, len(images)) from None
+        patches.append(u8)
+    grid = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    pos = (
+        position_rows(ids, grid, pl.ids["image_pad_id"], p.merge_size)
+        if positions
+        else np.zeros((4, 0), np.int64)
+    )
+    patch_dim = 3 * p.patch_size**2
+    return VLSample(
+        input_ids=torch.from_numpy(ids),
+        labels=torch.from_numpy(labels),
+        pixel_u8=torch.from_numpy(
+            np.concatenate(patches) if patches else np.zeros((0, patch_dim), np.uint8)
+        ),
+        image_grid_thw=torch.from_numpy(grid),
+        position_ids=torch.from_numpy(pos),
+        extra={"turns_dropped": dropped} if dropped else {},
+    )
+
+
+def process_sample(
+    processor,
+    image: Image.Image | list[Image.Image] | None,
+    question: str | None,
+    answer: str | None,
+    max_len: int | None = None,
+    positions: bool = True,
+) -> VLSample:
+    """One VQA sample (images, question, answer) -> VLSample (:func:`process_chat`)."""
+    images = [] if image is None else (list(image) if isinstance(image, (list, tuple)) else [image])
+    return process_chat(
+        processor, vqa_messages(len(images), question, answer), images, max_len, positions
+    )
+
+
+def hf_process(processor, images: list[Image.Image], question: str, answer: str) -> dict:
+    """The reference HF path for a VQA sample: ``apply_chat_template`` then ``processor(...)``."""
+    text = processor.apply_chat_template(
+        vqa_messages(len(images), question, answer), tokenize=False
+    )
+    out = processor(text=[text], images=images or None, return_tensors="pt")
+    return dict(out)
