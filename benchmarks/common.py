@@ -94,6 +94,9 @@ class Row:
     """Samples re-taken because the host was slow (noise guard)."""
     noisy: int = 0
     """Samples kept although the host stayed slow through every re-take."""
+    guarded: bool = False
+    """The samples were taken through the noise guard (so ``retaken`` / ``noisy`` mean
+    something)."""
 
     @property
     def lo(self) -> float:
@@ -181,6 +184,7 @@ class Series:
     """What the function returned each round (a dict of its own metrics, or None)."""
     retaken: int = 0
     noisy: int = 0
+    guarded: bool = False
 
     def values(self, key: str) -> list[float]:
         """One metric of functions that return a dict."""
@@ -203,7 +207,8 @@ def interleave(
     host was slow is re-taken at once, in the same round, so samples stay paired by round.
     """
     names = list(fns)
-    out = {n: Series(n) for n in names}
+    guarded = guard is not None and guard.enabled
+    out = {n: Series(n, guarded=guarded) for n in names}
     for _ in range(warmup):
         for n in names:
             fns[n]()
@@ -268,6 +273,7 @@ def row_from(
         group=group,
         retaken=series.retaken,
         noisy=series.noisy,
+        guarded=series.guarded,
         **kw,
     )
 

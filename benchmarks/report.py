@@ -33,7 +33,8 @@ How to read the tables:
   come from the same interleaved rounds.
 - **n (re-taken/noisy)**: samples, how many were re-taken because a calibration loop around them
   ran more than the noise tolerance slower than the fastest seen (the host was busy), and how
-  many were kept although the host stayed slow through every re-take.
+  many were kept although the host stayed slow through every re-take. A count alone: no
+  sample re-taken, or samples not timed through the noise guard.
 - Rows whose name says *not like for like* compare different outputs; the row next to them is
   the like-for-like one. A value *n/a* is a row that could not be measured here (its note says
   why).
@@ -104,7 +105,9 @@ def render_case(name: str, doc: dict[str, Any]) -> str:
         ]
         for r in rows:
             n = len(r.get("samples") or [])
-            noise = f"{n} ({r.get('retaken', 0)}/{r.get('noisy', 0)})" if n else ""
+            counts = r.get("guarded") or r.get("retaken") or r.get("noisy")
+            noise = f"{n} ({r.get('retaken', 0)}/{r.get('noisy', 0)})" if n and counts else (
+                str(n) if n else "")  # fmt: skip
             cells = [
                 r["case"], fmt(r["value"]), fmt_range(r.get("samples") or []), r["unit"], fmt_ratio(r.get("ratio"), r.get("ratio_range")),
                 r.get("baseline") or "", r.get("target") or "", _met(r), noise,

@@ -66,7 +66,7 @@ def test_noise_guard_retakes_a_sample_taken_while_the_host_was_slow():
     calls: list[int] = []
     t = interleave({"a": lambda: calls.append(1) or float(len(calls))}, 2, 0, guard)
     assert t["a"].samples == [1.0, 3.0]  # the slow sample (2.0) was replaced by its re-take
-    assert (t["a"].retaken, t["a"].noisy) == (1, 0)
+    assert (t["a"].retaken, t["a"].noisy) == (1, 0) and t["a"].guarded
     assert clock.times == []
 
 
@@ -83,7 +83,7 @@ def test_noise_guard_off_with_zero_tolerance():
         tol=0.0, max_retakes=3, calibrate=lambda: pytest.fail("calibrated with the guard off")
     )
     t = interleave({"a": lambda: 1.0}, 3, 0, guard)
-    assert t["a"].samples == [1.0, 1.0, 1.0] and t["a"].retaken == 0
+    assert t["a"].samples == [1.0, 1.0, 1.0] and t["a"].retaken == 0 and not t["a"].guarded
 
 
 def test_compare_gives_paired_ratio_range_only_within_one_interleaved_group():
@@ -140,8 +140,11 @@ def test_render_names_machine_date_commit_command_and_ratios():
                retaken=2, noisy=1, note="like for like")  # fmt: skip
     base = Row("base | HF", 4.0, "ms", higher_is_better=False, samples=[3.0, 4.0, 5.0], group="g")
     skipped = Row("fast processor", float("nan"), "ms", note="not measured: no torchvision")
+    quiet = Row("quiet", 1.0, "ms", samples=[1.0, 1.0], guarded=True)
+    unguarded = Row("unguarded", 1.0, "ms", samples=[1.0, 1.0, 1.0, 1.0])
     compare([ours, base], "ours", "base | HF")
-    text = render({"demo": _doc([ours, base, skipped])})
+    text = render({"demo": _doc([ours, base, skipped, quiet, unguarded])})
+    assert "| 2 (0/0) |" in text and "| 4 |" in text  # counts only where the guard ran
     assert "GENERATED" in text
     assert "Test CPU 9000, 2 cores, 23.0 GiB" in text
     assert "2026-11-22T10:00:00Z" in text and "`abc1234567 + uncommitted changes`" in text
