@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from torchtitan_ext import preflight  # noqa: E402
 from torchtitan_ext.config import ConfigError, load_config  # noqa: E402
+from torchtitan_ext.constants import IGNORE_INDEX  # noqa: E402
 from torchtitan_ext.models.qwen3_vl import flavors as fl  # noqa: E402
 from torchtitan_ext.models.qwen3_vl.model import (  # noqa: E402
     Qwen3VLModel,
@@ -29,7 +30,7 @@ from torchtitan_ext.models.qwen3_vl.state_dict_adapter import (  # noqa: E402
     Qwen3VLStateDictAdapter,
     safetensors_shapes,
 )
-from torchtitan_ext.vl.collate import IGNORE_INDEX, collate_hf, collate_qwen3_vl  # noqa: E402
+from torchtitan_ext.vl.collate import collate_hf, collate_qwen3_vl  # noqa: E402
 
 
 @pytest.fixture(scope="module")

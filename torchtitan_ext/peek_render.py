@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-IGNORE = -100
+from torchtitan_ext.constants import IGNORE_INDEX
 
 # token classes
 TEXT, BOS, EOS, PAD, IMAGE, VISION = "text", "bos", "eos", "pad", "image", "vision"
@@ -155,7 +155,11 @@ class BatchView:
         if self.pad_id is None:
             return len(row)
         n = len(row)
-        while n > 0 and row[n - 1] == self.pad_id and (labels is None or labels[n - 1] == IGNORE):
+        while (
+            n > 0
+            and row[n - 1] == self.pad_id
+            and (labels is None or labels[n - 1] == IGNORE_INDEX)
+        ):
             n -= 1
         return n
 
@@ -215,7 +219,7 @@ def row_infos(view: BatchView, flat: Mapping[str, Any]) -> list[RowInfo]:
         row = toks[r]
         lab = labels[r] if labels is not None and labels.shape == toks.shape else None
         valid = view.valid_length(row, lab)
-        masked = (lab == IGNORE) if lab is not None else np.zeros(row.shape, dtype=bool)
+        masked = (lab == IGNORE_INDEX) if lab is not None else np.zeros(row.shape, dtype=bool)
         out.append(
             RowInfo(
                 row=r,

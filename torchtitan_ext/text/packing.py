@@ -62,8 +62,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-IGNORE_INDEX = -100
-"""Label value ignored by the loss (torchtitan's cross-entropy ``ignore_index``)."""
+from torchtitan_ext.constants import IGNORE_INDEX
 
 _MAXSEQ = 1 << 62  # larger than any insertion number: bisect sentinel
 

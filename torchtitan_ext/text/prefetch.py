@@ -86,6 +86,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.text.errors import OnBadInput, SkipLog, check_on_bad_input
 from torchtitan_ext.text.packing import PACKING_MODES, BestFitPacker, ConcatSplitPacker, make_packer
 from torchtitan_ext.text.parquet import ParquetSource
@@ -97,7 +98,6 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 3
 # Releases the GIL and offers the CPU (no-op where the OS has no sched_yield); see _Producer._feed.
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
-IGNORE_INDEX = -100
 
 
 def _to_bytes(values: Any) -> bytes:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.vl.chat import LABEL_RULE
 from torchtitan_ext.vl.format import (
     FORMAT_NAME,
@@ -290,7 +291,7 @@ def process_row(item: tuple[int, dict[str, Any]]) -> ProcessedRow | Skip:
         s = process_parsed(_W["proc"], sample, _W["config"], positions=False, root=_W["root"])
     except SampleError as e:
         return Skip(row, e.reason, str(e), e.error_type)
-    mask = (s.labels.numpy() != -100).astype(np.uint8)
+    mask = (s.labels.numpy() != IGNORE_INDEX).astype(np.uint8)
     mask[0] = 0  # first token of each sample never a target (packing contract)
     return ProcessedRow(
         row=row,

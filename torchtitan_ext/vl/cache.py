@@ -53,12 +53,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.data.cachedir import sha256_file
 from torchtitan_ext.vl.format import (
     COLUMNS,
     FORMAT_NAME,
     FORMAT_VERSION,
-    IGNORE_INDEX,
     ITEMSIZE,
     MANIFEST,
     PACKING_STATS,

@@ -75,10 +75,11 @@ from typing import Any, Literal
 
 import torch
 
+from torchtitan_ext.constants import IGNORE_INDEX
+
 BatchFormat = Literal["hf", "torchtitan", "qwen3_vl"]
 BATCH_FORMATS: tuple[str, ...] = ("hf", "torchtitan", "qwen3_vl")
 NormalizeOn = Literal["collate", "device"]
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ PACKING_STATS = "packing_stats.json"
 SHARDS = "shards"
 SHARD_META = "meta.json"
 SHARD_STATS = "stats.json"
-IGNORE_INDEX = -100
 
 
 class CacheError(ValueError):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,15 @@ def assemble_pack(samples: Sequence[Any], length: int, pad_id: int) -> dict[str,
     if total > length:
         raise ValueError(f"pack of {total} tokens does not fit length {length}")
     ids = torch.full((length,), pad_id, dtype=torch.int64)
-    labels = torch.full((length,), -100, dtype=torch.int64)
+    labels = torch.full((length,), IGNORE_INDEX, dtype=torch.int64)
     pos = torch.zeros((4, length), dtype=torch.int64)
     o = 0
     for s, n in zip(samples, lens, strict=True):
         ids[o : o + n] = s.input_ids
         labels[o : o + n] = s.labels
-        labels[o] = -100  # the first token of a sample is never a target (no cross-sample loss)
+        labels[o] = (
+            IGNORE_INDEX  # the first token of a sample is never a target (no cross-sample loss)
+        )
         pos[:, o : o + n] = s.position_ids
         o += n
     return {

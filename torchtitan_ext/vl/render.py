@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from torchtitan_ext.constants import IGNORE_INDEX
+
 COLORS = {
     "target": (46, 160, 67),
     "masked": (120, 140, 170),
@@ -71,7 +73,7 @@ def sample_turns(
                 role=role,
                 start=a,
                 end=b,
-                loss_tokens=int((labels[a:b] != -100).sum()),
+                loss_tokens=int((labels[a:b] != IGNORE_INDEX).sum()),
                 images=int(((run_start >= a) & (run_start < b)).sum()),
             )
         )
@@ -80,7 +82,7 @@ def sample_turns(
 
 def _token_kinds(ids: np.ndarray, labels: np.ndarray, sp: dict[str, int], n_content: int):
     kind = np.full(len(ids), "masked", dtype=object)
-    kind[labels != -100] = "target"
+    kind[labels != IGNORE_INDEX] = "target"
     kind[ids == sp["image_pad_id"]] = "image"
     kind[(ids == sp["vision_start_id"]) | (ids == sp["vision_end_id"])] = "vision"
     kind[n_content:] = "pad"

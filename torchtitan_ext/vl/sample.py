@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.vl.chat import ChatText, renderer
 from torchtitan_ext.vl.layouts import vqa_messages
 from torchtitan_ext.vl.processor import (
@@ -41,8 +42,6 @@ from torchtitan_ext.vl.processor import (
     position_rows,
     special_token_ids,
 )
-
-IGNORE_INDEX = -100
 
 
 @dataclass
