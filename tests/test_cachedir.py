@@ -131,6 +131,16 @@ def test_a_failing_fill_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".x.lock"]
 
 
+def test_leftovers_of_killed_builds_are_removed_by_the_next_build(tmp_path):
+    # What a SIGKILL mid-build leaves: a temporary sibling (and one mid-replacement), no lock held.
+    for left in (".x.tmp-abc123", ".x.stale-def456"):
+        (tmp_path / left / "sub").mkdir(parents=True)
+        (tmp_path / left / "sub" / "half.bin").write_bytes(b"x")
+    (tmp_path / ".other.tmp-zzz").mkdir()  # another directory's build: not ours to remove
+    build_atomically(tmp_path / "x", CountingFill())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-zzz", ".x.lock", "x"]
+
+
 def test_manifest_covers_every_file(tmp_path):
     (tmp_path / "a").write_bytes(b"abc")
     write_manifest(tmp_path, {"v": (1, 2)})

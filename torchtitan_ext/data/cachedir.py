@@ -138,6 +138,7 @@ def build_atomically(
         problem = verify_manifest(final, meta)
         if problem is None:  # another process built it while we waited for the lock
             return final
+        _remove_leftovers(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             fill(tmp)
@@ -153,6 +154,16 @@ def build_atomically(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Remove the temporary siblings of ``final`` that killed builds left behind. Called with the
+    build lock held: every builder takes it before creating its temporary directory, so any that
+    exists now belongs to a process that died mid-build."""
+    for pattern in (f".{final.name}.tmp-*", f".{final.name}.stale-*"):
+        for left in final.parent.glob(pattern):
+            logger.info("%s: removing %s left by a killed build", final, left.name)
+            shutil.rmtree(left, ignore_errors=True)
 
 
 _LEGACY_MARKERS = {"DONE"}  # the completion marker of builds before manifests
