@@ -319,20 +319,33 @@ def test_sigkill_resume_is_byte_identical(env, tmp_path):
     assert _content_files(kdir) == _content_files(clean)
 
 
-def test_open_reads_index_only(env, built, monkeypatch):
-    """Opening never reads pixel or token data: corrupting those files does not affect open()."""
-    cache = C.VLCache.open(built)
-    assert len(cache) > 0
-    read_paths = []
-    real_open = open
+@pytest.mark.skipif(sys.platform != "linux", reason="watches opens with Linux's inotify")
+def test_open_reads_index_only(built):
+    """Opening reads the manifest and the shards' meta.json, never a data file: the kernel
+    (inotify) reports every open of a file in the shard directories, whatever call makes it
+    (``open``, ``np.memmap``, ``torch.from_file``, ``mmap``). The first ``pack(i)`` of a shard
+    maps that shard's files and no other shard's."""
+    from inotify_simple import INotify, flags
 
-    def spy(path, *a, **k):
-        read_paths.append(str(path))
-        return real_open(path, *a, **k)
+    shards = C.VLCache.open(built).metadata["shards"]
+    assert len(shards) >= 3, "the fixture needs several shards"
+    with INotify() as ino:
+        watched = {ino.add_watch(str(built / "shards" / s["name"]), flags.OPEN): s["name"]
+                   for s in shards}  # fmt: skip
 
-    monkeypatch.setattr("builtins.open", spy)
-    C.VLCache.open(built)
-    assert not [p for p in read_paths if p.endswith((".memmap",))]
+        def opened() -> set[tuple[str, str]]:
+            """(shard, file) opened since the last call; a directory's own listing has no name."""
+            return {(watched[e.wd], e.name) for e in ino.read(timeout=0) if e.name}
+
+        cache = C.VLCache.open(built)
+        seen = opened()
+        # the watch works (open reads every meta.json) and saw nothing else
+        assert seen == {(s["name"], "meta.json") for s in shards}
+        first = next(s["name"] for s in shards if s["packs"])
+        cache.pack(0)
+        seen = opened()
+        assert {shard for shard, _ in seen} == {first}
+        assert {name for _, name in seen} >= {"tokens.memmap", "pixels.memmap", "pack_offsets.memmap"}
 
 
 def test_multiprocess_workers_same_bytes(env, tmp_path, built):
