@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,10 +22,11 @@ from hypothesis import strategies as st
 from torchtitan_ext.vl import build as B
 from torchtitan_ext.vl import cache as C
 from torchtitan_ext.vl import processor as P
-from torchtitan_ext.vl import sample as VS
 from torchtitan_ext.vl import sources as S
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
 from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
+
+from .support.vl_chat import pil, positions_reference, vqa_reference
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 1024
@@ -105,12 +107,25 @@ def test_packing_rejects_overlong_and_buckets():
 # ---------------------------------------------------------------- content
 
 
-def test_pack_content_matches_direct_processing(env, built):
+@pytest.fixture(scope="module")
+def rope_model():
+    from .support.tiny_qwen3vl import rope_model as make
+
+    return make()
+
+
+def test_pack_content_matches_hf_reference(env, built, rope_model):
+    """Every sample of every pack equals transformers' processing of its source row, read with
+    pyarrow and decoded by PIL: ids and image grids from ``Qwen3VLProcessor`` on the chat
+    template's text, labels on the assistant spans found in those ids, normalised pixels equal
+    to its ``pixel_values``, mRoPE rows from ``get_rope_index`` (tests/support/vl_chat.py)."""
     cache = C.VLCache.open(built)
     proc = P.load_processor(None)
-    src = S.open_source(env["ds"], "train")
+    rows = pq.read_table(sorted(env["ds"].glob("*.parquet"))).to_pylist()
+    tok = proc.tokenizer
     ids = cache.special_tokens
-    assert ids == P.special_token_ids(proc)
+    assert ids["pad_id"] == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert ids["image_pad_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
     n_samples = 0
     for i in range(len(cache)):
         p = cache.pack(i)
@@ -122,24 +137,26 @@ def test_pack_content_matches_direct_processing(env, built):
         n = int(p["num_tokens"])
         assert (p["input_ids"][n:] == ids["pad_id"]).all() and (p["labels"][n:] == -100).all()
         assert (p["position_ids"][:, n:] == 0).all()
-        # every sample equals the unpacked processing of its input row
         a = pix = img = 0
         for row, ln in zip(cache.pack_rows(i), p["seq_lens"].tolist(), strict=True):
-            r = src.read(row, row + 1)[0]
-            s = VS.process_sample(proc, P.decode_image(r["image"]), r["question"], r["answer"])
-            assert torch.equal(p["input_ids"][a : a + ln], s.input_ids)
-            exp_lab = s.labels.clone()
-            exp_lab[0] = -100
-            assert torch.equal(p["labels"][a : a + ln], exp_lab)
-            assert torch.equal(p["position_ids"][:, a : a + ln], s.position_ids)
-            k = s.pixel_u8.shape[0]
-            assert torch.equal(p["pixel_u8"][pix : pix + k], s.pixel_u8)
-            g = s.image_grid_thw.shape[0]
-            assert torch.equal(p["image_grid_thw"][img : img + g], s.image_grid_thw)
-            a, pix, img = a + ln, pix + k, img + g
+            r = rows[row]
+            ref = vqa_reference(proc, [pil(r["image"]["bytes"])], r["question"], r["answer"])
+            assert torch.equal(p["input_ids"][a : a + ln], ref["input_ids"]), row
+            assert torch.equal(p["labels"][a : a + ln], ref["labels"]), row
+            g = ref["image_grid_thw"]
+            assert torch.equal(p["image_grid_thw"][img : img + len(g)], g), row
+            k = int(g.prod(dim=1).sum())
+            got = P.normalize_patches(p["pixel_u8"][pix : pix + k])
+            assert torch.equal(got, ref["pixel_values"]), row
+            want = positions_reference(rope_model, ref["input_ids"], g, ids["image_pad_id"])
+            assert torch.equal(p["position_ids"][:, a : a + ln], want), row
+            a, pix, img = a + ln, pix + k, img + len(g)
             n_samples += 1
         assert pix == p["pixel_u8"].shape[0] and p["pixel_u8"].dtype == torch.uint8
+        assert img == p["image_grid_thw"].shape[0]
     assert n_samples == cache.metadata["counts"]["samples"]
+    kinds = {rows[r]["kind"] for i in range(len(cache)) for r in cache.pack_rows(i)}
+    assert kinds == {"ok", "one_pixel"}, "only good rows are packed"
 
 
 def test_counts_reconcile_and_skip_reasons(env, built):

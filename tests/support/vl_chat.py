@@ -26,6 +26,16 @@ def hf_reference(proc: Any, messages: list[dict], images: list[Image.Image]) -> 
     }
 
 
+def vqa_reference(
+    proc: Any, images: list[Image.Image], question: str, answer: str
+) -> dict[str, Any]:
+    """:func:`hf_reference` of a VQA row, its conversation written here by hand: the images,
+    then the question, in the user turn; the answer in the assistant turn."""
+    user = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return hf_reference(proc, messages, images)
+
+
 def assistant_labels(proc: Any, ids: torch.Tensor) -> torch.Tensor:
     """Labels located in the token ids alone: after every ``<|im_start|>assistant\\n`` header,
     every token through the next ``<|im_end|>``; -100 elsewhere."""
@@ -102,3 +112,12 @@ def rope_reference(model: Any, ids: torch.Tensor, grid: torch.Tensor, pad: int) 
     t = ids[None]
     pos, _ = model.get_rope_index(t, (t == pad).int(), image_grid_thw=grid if len(grid) else None)
     return pos[:, 0].numpy()
+
+
+def positions_reference(
+    model: Any, ids: torch.Tensor, grid: torch.Tensor, pad: int
+) -> torch.Tensor:
+    """A sample's four position rows [4, L] as the cache serves them: row 0 counts the tokens,
+    rows 1-3 are :func:`rope_reference`."""
+    rope = torch.from_numpy(rope_reference(model, ids, grid, pad))
+    return torch.cat([torch.arange(len(ids))[None], rope.to(torch.int64)])
