@@ -13,11 +13,13 @@ from PIL import Image
 
 def hf_reference(proc: Any, messages: list[dict], images: list[Image.Image]) -> dict[str, Any]:
     """transformers' path: ``apply_chat_template`` then ``Qwen3VLProcessor(text, images)``;
-    labels from :func:`assistant_labels`."""
+    labels from :func:`assistant_labels`. ``inputs``: the processor's whole output (model
+    kwargs, batch of one)."""
     text = proc.apply_chat_template(messages, tokenize=False)
     out = proc(text=[text], images=images or None, return_tensors="pt")
     ids = out["input_ids"][0]
     return {
+        "inputs": dict(out),
         "text": text,
         "input_ids": ids,
         "labels": assistant_labels(proc, ids),
@@ -34,6 +36,22 @@ def vqa_reference(
     user = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
     return hf_reference(proc, messages, images)
+
+
+def chat_reference(proc: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """:func:`hf_reference` of a ``messages`` + ``images`` row as ``datasets`` writes it (content
+    parts ``{type, text}``, images ``{bytes, path}``), turned into HF chat messages here."""
+    messages = [
+        {
+            "role": m["role"],
+            "content": [
+                {"type": "image"} if c["type"] == "image" else {"type": "text", "text": c["text"]}
+                for c in m["content"]
+            ],
+        }
+        for m in row["messages"]
+    ]
+    return hf_reference(proc, messages, [pil(im["bytes"]) for im in row["images"]])
 
 
 def assistant_labels(proc: Any, ids: torch.Tensor) -> torch.Tensor:
