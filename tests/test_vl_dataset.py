@@ -25,10 +25,11 @@ from torchtitan_ext.vl.collate import (
 from torchtitan_ext.vl.dataset import (
     CachedVLDataset,
     advance,
-    epoch_permutation,
     locate,
     rounds_left,
 )
+
+from .support.vl_order import documented_order
 
 SPECIAL = {
     "image_pad_id": 7,
@@ -107,7 +108,12 @@ def test_epoch_is_disjoint_complete_and_equal(n, w, remainder):
     counts = {len(x) for x in per_rank}
     assert len(counts) == 1, "every rank must get the same number of packs"
     seen = list(itertools.chain(*per_rank))
-    perm = epoch_permutation(n, 3, 0, True).tolist()
+    perm = documented_order(n, 3, 0)
+    # rounds of w packs, rank r taking the r-th of each; "wrap" completes the last round from
+    # the start of the permutation
+    rounds = n // w if remainder == "drop" else -(-n // w)
+    for r in range(w):
+        assert per_rank[r] == [perm[(k * w + r) % n] for k in range(rounds)]
     if remainder == "drop":
         assert len(seen) == len(set(seen)) == (n // w) * w
         assert set(seen) == set(perm[: (n // w) * w])
@@ -139,8 +145,8 @@ def test_finite_iteration_moves_to_next_epoch():
     ds = CachedVLDataset(FakeCache(6), 0, 1, infinite=False, seed=1)
     e0 = [int(p["pack_index"]) for p in ds]
     e1 = [int(p["pack_index"]) for p in ds]
-    assert e0 == epoch_permutation(6, 1, 0, True).tolist()
-    assert e1 == epoch_permutation(6, 1, 1, True).tolist()
+    assert e0 == documented_order(6, 1, 0)
+    assert e1 == documented_order(6, 1, 1)
 
 
 # --------------------------------------------------------------------------------------- resume
@@ -185,7 +191,7 @@ def test_elastic_resume_no_repeat_no_skip(w_before, w_after):
     left = rounds_left(n, w_after, state["cursor"], "drop")
     after, state2 = _consume(w_after, n, state, left)
     seen = list(itertools.chain(*before, *after))
-    perm = epoch_permutation(n, 9, 0, True).tolist()
+    perm = documented_order(n, 9, 0)
     assert len(seen) == len(set(seen)), "no pack repeated within the epoch"
     # Exactly the global order's prefix: nothing skipped except the final remainder < w_after.
     assert set(seen) == set(perm[: len(seen)])
@@ -220,7 +226,7 @@ def test_workers_give_the_single_process_order(num_workers):
     ds = CachedVLDataset(FakeCache(n), 0, 1, infinite=False, seed=4, block_size=b)
     dl = DataLoader(ds, batch_size=b, collate_fn=coll, num_workers=num_workers)
     got = [i for batch in dl for i in _ids(batch)]
-    assert got == ref_ids == epoch_permutation(n, 4, 0, True).tolist()
+    assert got == ref_ids == documented_order(n, 4, 0)
 
 
 def test_stateful_dataloader_workers_resume_bitwise():
@@ -332,7 +338,7 @@ def test_construction_and_state_read_no_pack_data():
     ds = CachedVLDataset(ExplodingCache(10_000), 1, 4, seed=1)
     assert ds.num_packs == 10_000 and ds.packs_per_epoch() == 2_500
     ds.load_state_dict(ds.state_dict() | {"cursor": 400})
-    assert ds.pack_index_of(0) == (0, epoch_permutation(10_000, 1, 0, True)[401].item())
+    assert ds.pack_index_of(0) == (0, documented_order(10_000, 1, 0)[401])
 
 
 def test_pickled_dataset_reopens_lazily(tmp_path, monkeypatch):

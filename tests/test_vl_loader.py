@@ -14,8 +14,8 @@ import torch
 
 from torchtitan_ext.loaders.vl import CachedVLDataLoader, OnlinePreprocessingWarning
 from torchtitan_ext.vl.collate import finish_on_device
-from torchtitan_ext.vl.dataset import epoch_permutation
 
+from .support.vl_order import documented_order
 from .support.vl_sample import sample_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -321,8 +321,8 @@ def test_finite_pass_moves_state_to_next_epoch(env, num_workers):
                 ][:1]
         return out
 
-    assert ids(first) == epoch_permutation(n, 0, 0, True).tolist()
-    assert ids(second) == epoch_permutation(n, 0, 1, True).tolist()
+    assert ids(first) == documented_order(n, 0, 0)
+    assert ids(second) == documented_order(n, 0, 1)
 
 
 @pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
