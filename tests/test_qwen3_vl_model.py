@@ -14,22 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("torchtitan")
-transformers = pytest.importorskip("transformers")
-
-from torchtitan_ext import preflight  # noqa: E402
-from torchtitan_ext.config import ConfigError, load_config  # noqa: E402
-from torchtitan_ext.models.qwen3_vl import flavors as fl  # noqa: E402
-from torchtitan_ext.models.qwen3_vl.model import (  # noqa: E402
+from torchtitan_ext import preflight
+from torchtitan_ext.config import ConfigError, load_config
+from torchtitan_ext.models.qwen3_vl import flavors as fl
+from torchtitan_ext.models.qwen3_vl.model import (
     Qwen3VLModel,
     build_hf_model,
     count_params_and_flops,
 )
-from torchtitan_ext.models.qwen3_vl.state_dict_adapter import (  # noqa: E402
+from torchtitan_ext.models.qwen3_vl.state_dict_adapter import (
     Qwen3VLStateDictAdapter,
     safetensors_shapes,
 )
-from torchtitan_ext.vl.collate import IGNORE_INDEX, collate_hf, collate_qwen3_vl  # noqa: E402
+from torchtitan_ext.vl.collate import IGNORE_INDEX, collate_hf, collate_qwen3_vl
 
 
 @pytest.fixture(scope="module")

@@ -328,15 +328,15 @@ def test_finite_pass_moves_state_to_next_epoch(env, num_workers):
 @pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
 def test_async_device_loader_finishes_device_batches(env, fmt):
     """AsyncDeviceLoader with the loader's finisher == CPU normalisation, bit for bit."""
-    staging = pytest.importorskip("torchtitan_ext.device.staging")
+    from torchtitan_ext.device.staging import AsyncDeviceLoader
+
     dev = make(env, batch_format=fmt, normalize_on="device")
-    wrapped = staging.AsyncDeviceLoader(dev, "cpu", device_transform=dev.finish_on_device)
+    wrapped = AsyncDeviceLoader(dev, "cpu", device_transform=dev.finish_on_device)
     it = iter(wrapped)  # once: a second iter() starts a new pass (prefetched batches dropped)
     got = [next(it) for _ in range(3)]
     ref = list(itertools.islice(iter(make(env, batch_format=fmt, normalize_on="collate")), 3))
     assert all(same(a, b) for a, b in zip(got, ref, strict=True))
-    if hasattr(wrapped, "close"):
-        wrapped.close()
+    wrapped.close()
 
 
 def test_online_counts_skips_that_reconcile(env, tmp_path):
