@@ -26,6 +26,7 @@ from torchtitan_ext.vl import sources as S
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
 from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
 
+from .support.opens import needs_inotify, watch_opens
 from .support.vl_chat import pil, positions_reference, vqa_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -364,28 +365,17 @@ def test_sigkill_resume_is_byte_identical(env, tmp_path):
     assert _content_files(kdir) == _content_files(clean)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="watches opens with Linux's inotify")
+@needs_inotify
 def test_open_reads_index_only(built):
-    """Opening reads the manifest and the shards' meta.json, never a data file: the kernel
-    (inotify) reports every open of a file in the shard directories, whatever call makes it
-    (``open``, ``np.memmap``, ``torch.from_file``, ``mmap``). The first ``pack(i)`` of a shard
-    maps that shard's files and no other shard's."""
-    from inotify_simple import INotify, flags
-
+    """Opening reads the manifest and the shards' meta.json, never a data file (the kernel
+    reports every open: tests/support/opens.py). The first ``pack(i)`` of a shard maps that
+    shard's files and no other shard's."""
     shards = C.VLCache.open(built).metadata["shards"]
     assert len(shards) >= 3, "the fixture needs several shards"
-    with INotify() as ino:
-        watched = {ino.add_watch(str(built / "shards" / s["name"]), flags.OPEN): s["name"]
-                   for s in shards}  # fmt: skip
-
-        def opened() -> set[tuple[str, str]]:
-            """(shard, file) opened since the last call; a directory's own listing has no name."""
-            return {(watched[e.wd], e.name) for e in ino.read(timeout=0) if e.name}
-
+    with watch_opens([built / "shards" / s["name"] for s in shards]) as opened:
         cache = C.VLCache.open(built)
-        seen = opened()
         # the watch works (open reads every meta.json) and saw nothing else
-        assert seen == {(s["name"], "meta.json") for s in shards}
+        assert opened() == {(s["name"], "meta.json") for s in shards}
         first = next(s["name"] for s in shards if s["packs"])
         cache.pack(0)
         seen = opened()
