@@ -1,8 +1,9 @@
 """CachedVLDataset: global-order sharding, equal steps, exact/elastic resume, workers, collate.
 
 Most sharding/state tests run on an in-memory fake cache (the dataset only needs ``len`` and
-``pack(i)``); the tests at the end build a real tiny cache with ``build_cache`` on the sample
-data shipped in tests/data/vl and check shapes, formats and laziness.
+``pack(i)``); the tests at the end build a real tiny cache with ``build_cache`` from the shipped
+sample set (``vl/sample_data.py``) and check, on it, the documented order and DP sharding,
+resume, DataLoader workers, and that opening and resuming read no pack data.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torchtitan_ext.vl.dataset import (
     rounds_left,
 )
 
+from .support.opens import needs_inotify, watch_opens
 from .support.vl_order import documented_order
 
 SPECIAL = {
@@ -378,3 +380,73 @@ def test_is_stateful_for_dcp_and_torchdata():
 
     ds = CachedVLDataset(FakeCache(4), 0, 1)
     assert isinstance(ds, Stateful) and isinstance(ds, TDStateful)
+
+
+# ------------------------------------------------------------------------------ a real cache
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    from .support.vl_sample import sample_cache
+
+    with sample_cache(tmp_path_factory, "vl_dataset", n=24, buckets=None) as env:
+        from torchtitan_ext.vl.cache import VLCache
+
+        yield {**env, "cache": VLCache.open(env["path"])}
+
+
+def _same_pack(got: dict, want: dict) -> bool:
+    return all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_real_cache_ranks_read_the_documented_order(real):
+    """DP=2 over a cache built from the sample set: rank r's k-th pack is
+    ``VLCache.pack(randperm(N, seed)[2k + r])``, tensors and all; the ranks are disjoint."""
+    cache, n = real["cache"], len(real["cache"])
+    assert n >= 4, "the fixture needs a few packs"
+    perm = documented_order(n, 5, 0)
+    seen = []
+    for r in range(2):
+        got = list(CachedVLDataset(real["path"], r, 2, infinite=False, seed=5))
+        assert len(got) == n // 2
+        for k, p in enumerate(got):
+            assert int(p["pack_index"]) == perm[2 * k + r]
+            assert _same_pack(p, cache.pack(perm[2 * k + r]))
+        seen += [int(p["pack_index"]) for p in got]
+    assert len(set(seen)) == len(seen) == 2 * (n // 2)
+
+
+def test_real_cache_resume_and_workers(real):
+    """A state saved after k packs resumes with the same packs; a DataLoader with 2 workers
+    (each re-opening the cache) serves the single-process order."""
+    path, n = real["path"], len(real["cache"])
+    full = take(CachedVLDataset(path, 0, 1, seed=2), 2 * n)
+    ds = CachedVLDataset(path, 0, 1, seed=2)
+    it = iter(ds)
+    head = [int(next(it)["pack_index"]) for _ in range(3)]
+    ds2 = CachedVLDataset(path, 0, 1, seed=2)
+    ds2.load_state_dict(ds.state_dict())
+    assert head + take(ds2, 2 * n - 3) == full
+    assert full == documented_order(n, 2, 0) + documented_order(n, 2, 1)
+    coll = PackCollator("hf", real["cache"].special_tokens, normalize_on="device")
+    one = CachedVLDataset(path, 0, 1, infinite=False, seed=2, block_size=2)
+    two = CachedVLDataset(path, 0, 1, infinite=False, seed=2, block_size=2)
+    a = list(DataLoader(one, batch_size=2, collate_fn=coll))
+    b = list(DataLoader(two, batch_size=2, collate_fn=coll, num_workers=2))
+    assert len(a) == len(b) == -(-n // 2)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b, strict=True))
+    assert all(torch.equal(x["pixel_values"], y["pixel_values"]) for x, y in zip(a, b, strict=True))
+
+
+@needs_inotify
+def test_real_cache_open_and_resume_read_no_pack_data(real):
+    """Constructing the dataset, saving and loading its state and locating its next packs open
+    no data file of the cache (only the manifest's shard meta.json); the first pack does."""
+    shards = sorted(d for d in (real["path"] / "shards").iterdir() if d.is_dir())
+    with watch_opens(shards) as opened:
+        ds = CachedVLDataset(real["path"], 1, 2, seed=3)
+        ds.load_state_dict(ds.state_dict() | {"cursor": 2})
+        ds.pack_index_of(5)
+        assert {name for _, name in opened()} == {"meta.json"}
+        next(iter(ds))
+        assert any(name.endswith(".memmap") for _, name in opened())
