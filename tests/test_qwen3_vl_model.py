@@ -248,8 +248,16 @@ def test_tiny_job_config_loads(tmp_path, env):
             {},
             r"\[parallelism\] spmd_backend = 'spmd_types'",
         ),
+        *[
+            (
+                LOADER + f"[parallelism]\n{kind}_parallel_degree = 2\n",
+                {},
+                rf"\[parallelism\] {kind}_parallel_degree = 2: qwen3_vl supports data parallelism",
+            )
+            for kind in ("pipeline", "context", "expert")
+        ],
     ],
-    ids=["format", "format-other-model", "text-loader", "tp", "spmd"],
+    ids=["format", "format-other-model", "text-loader", "tp", "spmd", "pp", "cp", "ep"],
 )
 def test_job_errors(tmp_path, env, body, model, match):
     with pytest.raises(ConfigError, match=match):
