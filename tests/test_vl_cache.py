@@ -3,6 +3,7 @@ after SIGKILL (byte-identical), 2 ranks == 1 rank."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -199,8 +200,9 @@ def test_counts_reconcile_and_skip_reasons(env, built):
     assert stats["skipped"] == expected
     assert meta["counts"]["packs"] == stats["packs"] == len(C.VLCache.open(built))
     assert set(meta["versions"]) >= {"torch", "transformers", "tensordict"}
-    for f in meta["files"].values():
-        assert f["size"] >= 0 and len(f["sha256"]) == 64
+    for rel, f in meta["files"].items():  # the manifest records each file as it is
+        data = (built / rel).read_bytes()
+        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest(), rel
     # no pickle anywhere: every file is JSON or a raw memmap
     for p in built.rglob("*"):
         if p.is_file():
