@@ -167,3 +167,21 @@ def test_builder_and_loader_knobs_keep_the_key(root, ds, monkeypatch):
         req = dataclasses.replace(base, **{name: value})
         assert B.find_cache(**key_args(req, SEQ)) == first, name
     assert B.find_cache(**key_args(dataclasses.replace(base, buffer_size=4), SEQ)) is None
+
+
+def test_image_files_read_by_path_are_not_in_the_key(root):
+    """The documented limit (docs/vl_data_formats.md, "Cache key"): images a row names by path
+    are not hashed into the key, so editing such a file in place keeps the key (rebuild with
+    --force); the Parquet file itself is."""
+    import pyarrow as pa
+
+    from .support.vl_chat import image_bytes
+
+    d = root / "by_path"
+    d.mkdir()
+    (d / "a.jpg").write_bytes(image_bytes(0, (64, 48)))
+    conv = [[{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A dot."}]]
+    pq.write_table(pa.table({"image": ["a.jpg"], "conversations": conv}), d / "t.parquet")
+    k0 = key(d)
+    (d / "a.jpg").write_bytes(image_bytes(1, (80, 60)))
+    assert key(d) == k0
