@@ -354,3 +354,23 @@ def test_online_counts_skips_that_reconcile(env, tmp_path):
     assert samples == ds.rows_ok and ds.rows_ok + skipped == ds.num_rows
     expected = {r for r in BAD_ROW_REASONS.values() if r is not None}
     assert set(ds.skips) <= expected and skipped >= 1
+
+
+def test_state_from_the_other_source_is_refused(env, tmp_path):
+    """A state saved reading the cache does not load into a loader on the online fallback (their
+    orders differ), nor the other way; torchtitan's per-rank form {"dp_rank_r": ...} loads."""
+    cached = make(env)
+    it = iter(cached)
+    next(it)
+    state = cached.state_dict()
+    with pytest.warns(OnlinePreprocessingWarning):
+        online = make(env, cache_dir=str(tmp_path / "none"), max_samples=12)
+    with pytest.raises(ValueError, match="saved from the cache source .* reads from the online"):
+        online.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved from the online source .* reads from the cache"):
+        make(env).load_state_dict(online.state_dict())
+    with pytest.raises(ValueError, match="no 'global' entry"):
+        make(env).load_state_dict({"step": 3})
+    ranked = make(env)
+    ranked.load_state_dict({"dp_rank_0": state["global"]})
+    assert same(next(iter(ranked)), next(it))
