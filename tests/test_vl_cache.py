@@ -385,6 +385,19 @@ def test_open_reads_index_only(built):
         assert {"tokens.memmap", "pixels.memmap", "pack_offsets.memmap"} <= {n for _, n in seen}
 
 
+def test_in_process_build_keeps_the_callers_threads(env, tmp_path):
+    """Building in this process (num_workers=0) runs the workers' one-thread set-up here; the
+    caller's torch intra-op thread count is restored afterwards, so a test or a training job
+    that builds a cache does not compute on one thread from then on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        _build(env, tmp_path, max_samples=6)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_multiprocess_workers_same_bytes(env, tmp_path, built):
     k = _build(env, tmp_path, num_workers=2)
     assert _content_files(k) == _content_files(built)
