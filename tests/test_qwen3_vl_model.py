@@ -14,23 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("torchtitan")
-transformers = pytest.importorskip("transformers")
-
-from torchtitan_ext import preflight  # noqa: E402
-from torchtitan_ext.config import ConfigError, load_config  # noqa: E402
-from torchtitan_ext.constants import IGNORE_INDEX  # noqa: E402
-from torchtitan_ext.models.qwen3_vl import flavors as fl  # noqa: E402
-from torchtitan_ext.models.qwen3_vl.model import (  # noqa: E402
+from torchtitan_ext import preflight
+from torchtitan_ext.config import ConfigError, load_config
+from torchtitan_ext.constants import IGNORE_INDEX
+from torchtitan_ext.models.qwen3_vl import flavors as fl
+from torchtitan_ext.models.qwen3_vl.model import (
     Qwen3VLModel,
     build_hf_model,
     count_params_and_flops,
 )
-from torchtitan_ext.models.qwen3_vl.state_dict_adapter import (  # noqa: E402
+from torchtitan_ext.models.qwen3_vl.state_dict_adapter import (
     Qwen3VLStateDictAdapter,
     safetensors_shapes,
 )
-from torchtitan_ext.vl.collate import collate_hf, collate_qwen3_vl  # noqa: E402
+from torchtitan_ext.vl.collate import collate_hf, collate_qwen3_vl
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +249,16 @@ def test_tiny_job_config_loads(tmp_path, env):
             {},
             r"\[parallelism\] spmd_backend = 'spmd_types'",
         ),
+        *[
+            (
+                LOADER + f"[parallelism]\n{kind}_parallel_degree = 2\n",
+                {},
+                rf"\[parallelism\] {kind}_parallel_degree = 2: qwen3_vl supports data parallelism",
+            )
+            for kind in ("pipeline", "context", "expert")
+        ],
     ],
-    ids=["format", "format-other-model", "text-loader", "tp", "spmd"],
+    ids=["format", "format-other-model", "text-loader", "tp", "spmd", "pp", "cp", "ep"],
 )
 def test_job_errors(tmp_path, env, body, model, match):
     with pytest.raises(ConfigError, match=match):

@@ -3,6 +3,7 @@ after SIGKILL (byte-identical), 2 ranks == 1 rank."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,10 +23,12 @@ from hypothesis import strategies as st
 from torchtitan_ext.vl import build as B
 from torchtitan_ext.vl import cache as C
 from torchtitan_ext.vl import processor as P
-from torchtitan_ext.vl import sample as VS
 from torchtitan_ext.vl import sources as S
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
 from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
+
+from .support.opens import needs_inotify, watch_opens
+from .support.vl_chat import pil, positions_reference, vqa_reference
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 1024
@@ -75,20 +79,48 @@ def _content_files(kdir: Path) -> dict[str, bytes]:
 # ---------------------------------------------------------------- packing
 
 
-@settings(max_examples=60, deadline=None)
+def naive_best_fit(lengths: list[int], seq_len: int, buffer_size: int) -> list[list[int]]:
+    """The documented rule (vl/packing.py), written the slow, obvious way: samples enter a
+    buffer in order; whenever it holds ``buffer_size`` samples, and then until it is empty, one
+    pack is emitted: the longest buffered sample that still fits the space left, ties to the
+    earliest arrival, again and again until none fits."""
+    buf: list[int] = []
+    packs: list[list[int]] = []
+
+    def emit() -> list[int]:
+        pack, space = [], seq_len
+        while fits := [i for i in buf if lengths[i] <= space]:
+            best = max(fits, key=lambda i: (lengths[i], -i))
+            pack.append(best)
+            buf.remove(best)
+            space -= lengths[best]
+        return pack
+
+    for i in range(len(lengths)):
+        buf.append(i)
+        if len(buf) == buffer_size:
+            packs.append(emit())
+    while buf:
+        packs.append(emit())
+    return packs
+
+
+def test_best_fit_by_hand():
+    # buffer of 4: 60 + 40 (longest that fits 40), then 50 + 30 + 20 after 10 and 20 arrive
+    assert list(best_fit_packs([60, 50, 40, 30, 20, 10], 100, 4)) == [[0, 2], [1, 3, 4], [5]]
+    # equal lengths: the earliest first; buffer 1 is greedy in arrival order
+    assert list(best_fit_packs([30, 30, 30, 30], 100, 4)) == [[0, 1, 2], [3]]
+    assert list(best_fit_packs([70, 20, 50], 100, 1)) == [[0], [1], [2]]
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 100), max_size=60), st.integers(1, 20))
-def test_best_fit_invariants(lengths, buf):
+def test_best_fit_equals_the_naive_packer(lengths, buf):
     packs = list(best_fit_packs(lengths, 100, buf))
+    assert packs == naive_best_fit(lengths, 100, buf)
     flat = sorted(i for p in packs for i in p)
     assert flat == list(range(len(lengths)))  # every sample exactly once
     assert all(sum(lengths[i] for i in p) <= 100 for p in packs)
-    assert packs == list(best_fit_packs(lengths, 100, buf))  # deterministic
-    # best fit never leaves a buffered sample out that would still fit (buffer of everything)
-    if buf >= len(lengths) and packs:
-        first = packs[0]
-        rest = set(range(len(lengths))) - set(first)
-        space = 100 - sum(lengths[i] for i in first)
-        assert all(lengths[i] > space for i in rest)
 
 
 def test_packing_rejects_overlong_and_buckets():
@@ -105,12 +137,25 @@ def test_packing_rejects_overlong_and_buckets():
 # ---------------------------------------------------------------- content
 
 
-def test_pack_content_matches_direct_processing(env, built):
+@pytest.fixture(scope="module")
+def rope_model():
+    from .support.tiny_qwen3vl import rope_model as make
+
+    return make()
+
+
+def test_pack_content_matches_hf_reference(env, built, rope_model):
+    """Every sample of every pack equals transformers' processing of its source row, read with
+    pyarrow and decoded by PIL: ids and image grids from ``Qwen3VLProcessor`` on the chat
+    template's text, labels on the assistant spans found in those ids, normalised pixels equal
+    to its ``pixel_values``, mRoPE rows from ``get_rope_index`` (tests/support/vl_chat.py)."""
     cache = C.VLCache.open(built)
     proc = P.load_processor(None)
-    src = S.open_source(env["ds"], "train")
+    rows = pq.read_table(sorted(env["ds"].glob("*.parquet"))).to_pylist()
+    tok = proc.tokenizer
     ids = cache.special_tokens
-    assert ids == P.special_token_ids(proc)
+    assert ids["pad_id"] == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert ids["image_pad_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
     n_samples = 0
     for i in range(len(cache)):
         p = cache.pack(i)
@@ -122,24 +167,26 @@ def test_pack_content_matches_direct_processing(env, built):
         n = int(p["num_tokens"])
         assert (p["input_ids"][n:] == ids["pad_id"]).all() and (p["labels"][n:] == -100).all()
         assert (p["position_ids"][:, n:] == 0).all()
-        # every sample equals the unpacked processing of its input row
         a = pix = img = 0
         for row, ln in zip(cache.pack_rows(i), p["seq_lens"].tolist(), strict=True):
-            r = src.read(row, row + 1)[0]
-            s = VS.process_sample(proc, P.decode_image(r["image"]), r["question"], r["answer"])
-            assert torch.equal(p["input_ids"][a : a + ln], s.input_ids)
-            exp_lab = s.labels.clone()
-            exp_lab[0] = -100
-            assert torch.equal(p["labels"][a : a + ln], exp_lab)
-            assert torch.equal(p["position_ids"][:, a : a + ln], s.position_ids)
-            k = s.pixel_u8.shape[0]
-            assert torch.equal(p["pixel_u8"][pix : pix + k], s.pixel_u8)
-            g = s.image_grid_thw.shape[0]
-            assert torch.equal(p["image_grid_thw"][img : img + g], s.image_grid_thw)
-            a, pix, img = a + ln, pix + k, img + g
+            r = rows[row]
+            ref = vqa_reference(proc, [pil(r["image"]["bytes"])], r["question"], r["answer"])
+            assert torch.equal(p["input_ids"][a : a + ln], ref["input_ids"]), row
+            assert torch.equal(p["labels"][a : a + ln], ref["labels"]), row
+            g = ref["image_grid_thw"]
+            assert torch.equal(p["image_grid_thw"][img : img + len(g)], g), row
+            k = int(g.prod(dim=1).sum())
+            got = P.normalize_patches(p["pixel_u8"][pix : pix + k])
+            assert torch.equal(got, ref["pixel_values"]), row
+            want = positions_reference(rope_model, ref["input_ids"], g, ids["image_pad_id"])
+            assert torch.equal(p["position_ids"][:, a : a + ln], want), row
+            a, pix, img = a + ln, pix + k, img + len(g)
             n_samples += 1
         assert pix == p["pixel_u8"].shape[0] and p["pixel_u8"].dtype == torch.uint8
+        assert img == p["image_grid_thw"].shape[0]
     assert n_samples == cache.metadata["counts"]["samples"]
+    kinds = {rows[r]["kind"] for i in range(len(cache)) for r in cache.pack_rows(i)}
+    assert kinds == {"ok", "one_pixel"}, "only good rows are packed"
 
 
 def test_counts_reconcile_and_skip_reasons(env, built):
@@ -153,8 +200,9 @@ def test_counts_reconcile_and_skip_reasons(env, built):
     assert stats["skipped"] == expected
     assert meta["counts"]["packs"] == stats["packs"] == len(C.VLCache.open(built))
     assert set(meta["versions"]) >= {"torch", "transformers", "tensordict"}
-    for f in meta["files"].values():
-        assert f["size"] >= 0 and len(f["sha256"]) == 64
+    for rel, f in meta["files"].items():  # the manifest records each file as it is
+        data = (built / rel).read_bytes()
+        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest(), rel
     # no pickle anywhere: every file is JSON or a raw memmap
     for p in built.rglob("*"):
         if p.is_file():
@@ -319,20 +367,35 @@ def test_sigkill_resume_is_byte_identical(env, tmp_path):
     assert _content_files(kdir) == _content_files(clean)
 
 
-def test_open_reads_index_only(env, built, monkeypatch):
-    """Opening never reads pixel or token data: corrupting those files does not affect open()."""
-    cache = C.VLCache.open(built)
-    assert len(cache) > 0
-    read_paths = []
-    real_open = open
+@needs_inotify
+def test_open_reads_index_only(built):
+    """Opening reads the manifest and the shards' meta.json, never a data file (the kernel
+    reports every open: tests/support/opens.py). The first ``pack(i)`` of a shard maps that
+    shard's files and no other shard's."""
+    shards = C.VLCache.open(built).metadata["shards"]
+    assert len(shards) >= 3, "the fixture needs several shards"
+    with watch_opens([built / "shards" / s["name"] for s in shards]) as opened:
+        cache = C.VLCache.open(built)
+        # the watch works (open reads every meta.json) and saw nothing else
+        assert opened() == {(s["name"], "meta.json") for s in shards}
+        first = next(s["name"] for s in shards if s["packs"])
+        cache.pack(0)
+        seen = opened()
+        assert {shard for shard, _ in seen} == {first}
+        assert {"tokens.memmap", "pixels.memmap", "pack_offsets.memmap"} <= {n for _, n in seen}
 
-    def spy(path, *a, **k):
-        read_paths.append(str(path))
-        return real_open(path, *a, **k)
 
-    monkeypatch.setattr("builtins.open", spy)
-    C.VLCache.open(built)
-    assert not [p for p in read_paths if p.endswith((".memmap",))]
+def test_in_process_build_keeps_the_callers_threads(env, tmp_path):
+    """Building in this process (num_workers=0) runs the workers' one-thread set-up here; the
+    caller's torch intra-op thread count is restored afterwards, so a test or a training job
+    that builds a cache does not compute on one thread from then on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        _build(env, tmp_path, max_samples=6)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_multiprocess_workers_same_bytes(env, tmp_path, built):

@@ -3,28 +3,31 @@ like the same samples run one at a time.
 
 The chat sample set is built into a cache; two packs holding multi-image, multi-turn samples are
 collated into one batch and run through a tiny random ``Qwen3VLForConditionalGeneration``. Each
-of their samples is then processed again from its raw Parquet row by the unpacked path (layout ->
-``process_parsed`` with positions) and run alone. Logits agree to 1e-5 on every token, and the
-packed loss is the token-weighted mean of the per-sample losses.
+of their samples is then made from its raw Parquet row (read with pyarrow) by transformers alone:
+``apply_chat_template`` + ``Qwen3VLProcessor``, labels on the assistant spans found in the ids,
+and run alone with the model's own mRoPE positions. The batch holds exactly those ids and
+``get_rope_index``'s positions, logits agree to 1e-5 on every token, and the packed loss is the
+token-weighted mean of the per-sample losses.
 """
 
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from torchtitan_ext.vl.collate import PixelNorm, collate_hf
 
-from .support.tiny_qwen3vl import run_alone, tiny_model
+from .support.tiny_qwen3vl import run_hf, tiny_model
+from .support.vl_chat import chat_reference, positions_reference
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from torchtitan_ext.vl.build import build_cache, config_from
+    from torchtitan_ext.vl.build import build_cache
     from torchtitan_ext.vl.cache import VLCache
     from torchtitan_ext.vl.processor import load_processor
     from torchtitan_ext.vl.sample_chat import chat_sample_path
-    from torchtitan_ext.vl.sources import open_source
 
     root = tmp_path_factory.mktemp("chatpack")
     data = chat_sample_path(n=36, root=root / "data")
@@ -32,19 +35,9 @@ def env(tmp_path_factory):
                        show_progress=False)  # fmt: skip
     return {
         "cache": VLCache.open(path),
-        "rows": open_source(data, "train"),
+        "rows": pq.read_table(sorted(data.glob("*.parquet"))).to_pylist(),
         "proc": load_processor(None),
-        "config": config_from(data, "train", 1024, 8),
     }
-
-
-def alone(env, row: int):
-    from torchtitan_ext.vl.build import process_parsed
-
-    rows = env["rows"]
-    sample = rows.parse(rows.read(row, row + 1)[0])
-    s = process_parsed(env["proc"], sample, env["config"], positions=True, root=rows.root)
-    return s, sample
 
 
 def test_packed_chat_equals_unpacked_logits(env):
@@ -76,19 +69,22 @@ def test_packed_chat_equals_unpacked_logits(env):
     seen_multi_image_multi_turn = seen_text_only = False
     for b, idx in enumerate(packs_i):
         offset = 0
-        for row in cache.pack_rows(idx):
-            s, sample = alone(env, row)
-            n = int(s.input_ids.numel())
-            assert torch.equal(batch["input_ids"][b, offset : offset + n], s.input_ids)
-            assert torch.equal(batch["position_ids"][:, b, offset : offset + n], s.position_ids)
-            turns = sum(m["role"] == "assistant" for m in sample.messages)
-            seen_multi_image_multi_turn |= len(sample.images) >= 2 and turns >= 2
-            seen_text_only |= not sample.images
-            ref = run_alone(model, s, norm)
-            d = (out.logits[b, offset : offset + n] - ref.logits[0]).abs().max().item()
+        for r in cache.pack_rows(idx):
+            row = env["rows"][r]
+            ref = chat_reference(env["proc"], row)
+            ids = ref["input_ids"]
+            n = int(ids.numel())
+            assert torch.equal(batch["input_ids"][b, offset : offset + n], ids)
+            want = positions_reference(model.model, ids, ref["image_grid_thw"], pad)
+            assert torch.equal(batch["position_ids"][:, b, offset : offset + n], want)
+            turns = sum(m["role"] == "assistant" for m in row["messages"])
+            seen_multi_image_multi_turn |= len(row["images"]) >= 2 and turns >= 2
+            seen_text_only |= not row["images"]
+            alone = run_hf(model, ref)
+            d = (out.logits[b, offset : offset + n] - alone.logits[0]).abs().max().item()
             worst = max(worst, d)
-            k = int((s.labels[1:] != -100).sum())
-            total_loss += ref.loss.item() * k
+            k = int((ref["labels"][1:] != -100).sum())
+            total_loss += alone.loss.item() * k
             total_n += k
             offset += n
         assert offset == int(packs[b]["num_tokens"])

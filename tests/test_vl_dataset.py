@@ -1,8 +1,9 @@
 """CachedVLDataset: global-order sharding, equal steps, exact/elastic resume, workers, collate.
 
 Most sharding/state tests run on an in-memory fake cache (the dataset only needs ``len`` and
-``pack(i)``); the tests at the end build a real tiny cache with ``build_cache`` on the sample
-data shipped in tests/data/vl and check shapes, formats and laziness.
+``pack(i)``); the tests at the end build a real tiny cache with ``build_cache`` from the shipped
+sample set (``vl/sample_data.py``) and check, on it, the documented order and DP sharding,
+resume, DataLoader workers, and that opening and resuming read no pack data.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from torchtitan_ext.vl.collate import (
 from torchtitan_ext.vl.dataset import (
     CachedVLDataset,
     advance,
-    epoch_permutation,
     locate,
     rounds_left,
 )
+
+from .support.opens import needs_inotify, watch_opens
+from .support.vl_order import documented_order
 
 SPECIAL = {
     "image_pad_id": 7,
@@ -107,7 +110,12 @@ def test_epoch_is_disjoint_complete_and_equal(n, w, remainder):
     counts = {len(x) for x in per_rank}
     assert len(counts) == 1, "every rank must get the same number of packs"
     seen = list(itertools.chain(*per_rank))
-    perm = epoch_permutation(n, 3, 0, True).tolist()
+    perm = documented_order(n, 3, 0)
+    # rounds of w packs, rank r taking the r-th of each; "wrap" completes the last round from
+    # the start of the permutation
+    rounds = n // w if remainder == "drop" else -(-n // w)
+    for r in range(w):
+        assert per_rank[r] == [perm[(k * w + r) % n] for k in range(rounds)]
     if remainder == "drop":
         assert len(seen) == len(set(seen)) == (n // w) * w
         assert set(seen) == set(perm[: (n // w) * w])
@@ -139,8 +147,8 @@ def test_finite_iteration_moves_to_next_epoch():
     ds = CachedVLDataset(FakeCache(6), 0, 1, infinite=False, seed=1)
     e0 = [int(p["pack_index"]) for p in ds]
     e1 = [int(p["pack_index"]) for p in ds]
-    assert e0 == epoch_permutation(6, 1, 0, True).tolist()
-    assert e1 == epoch_permutation(6, 1, 1, True).tolist()
+    assert e0 == documented_order(6, 1, 0)
+    assert e1 == documented_order(6, 1, 1)
 
 
 # --------------------------------------------------------------------------------------- resume
@@ -185,7 +193,7 @@ def test_elastic_resume_no_repeat_no_skip(w_before, w_after):
     left = rounds_left(n, w_after, state["cursor"], "drop")
     after, state2 = _consume(w_after, n, state, left)
     seen = list(itertools.chain(*before, *after))
-    perm = epoch_permutation(n, 9, 0, True).tolist()
+    perm = documented_order(n, 9, 0)
     assert len(seen) == len(set(seen)), "no pack repeated within the epoch"
     # Exactly the global order's prefix: nothing skipped except the final remainder < w_after.
     assert set(seen) == set(perm[: len(seen)])
@@ -220,7 +228,7 @@ def test_workers_give_the_single_process_order(num_workers):
     ds = CachedVLDataset(FakeCache(n), 0, 1, infinite=False, seed=4, block_size=b)
     dl = DataLoader(ds, batch_size=b, collate_fn=coll, num_workers=num_workers)
     got = [i for batch in dl for i in _ids(batch)]
-    assert got == ref_ids == epoch_permutation(n, 4, 0, True).tolist()
+    assert got == ref_ids == documented_order(n, 4, 0)
 
 
 def test_stateful_dataloader_workers_resume_bitwise():
@@ -332,7 +340,7 @@ def test_construction_and_state_read_no_pack_data():
     ds = CachedVLDataset(ExplodingCache(10_000), 1, 4, seed=1)
     assert ds.num_packs == 10_000 and ds.packs_per_epoch() == 2_500
     ds.load_state_dict(ds.state_dict() | {"cursor": 400})
-    assert ds.pack_index_of(0) == (0, epoch_permutation(10_000, 1, 0, True)[401].item())
+    assert ds.pack_index_of(0) == (0, documented_order(10_000, 1, 0)[401])
 
 
 def test_pickled_dataset_reopens_lazily(tmp_path, monkeypatch):
@@ -372,3 +380,73 @@ def test_is_stateful_for_dcp_and_torchdata():
 
     ds = CachedVLDataset(FakeCache(4), 0, 1)
     assert isinstance(ds, Stateful) and isinstance(ds, TDStateful)
+
+
+# ------------------------------------------------------------------------------ a real cache
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    from .support.vl_sample import sample_cache
+
+    with sample_cache(tmp_path_factory, "vl_dataset", n=24, buckets=None) as env:
+        from torchtitan_ext.vl.cache import VLCache
+
+        yield {**env, "cache": VLCache.open(env["path"])}
+
+
+def _same_pack(got: dict, want: dict) -> bool:
+    return all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_real_cache_ranks_read_the_documented_order(real):
+    """DP=2 over a cache built from the sample set: rank r's k-th pack is
+    ``VLCache.pack(randperm(N, seed)[2k + r])``, tensors and all; the ranks are disjoint."""
+    cache, n = real["cache"], len(real["cache"])
+    assert n >= 4, "the fixture needs a few packs"
+    perm = documented_order(n, 5, 0)
+    seen = []
+    for r in range(2):
+        got = list(CachedVLDataset(real["path"], r, 2, infinite=False, seed=5))
+        assert len(got) == n // 2
+        for k, p in enumerate(got):
+            assert int(p["pack_index"]) == perm[2 * k + r]
+            assert _same_pack(p, cache.pack(perm[2 * k + r]))
+        seen += [int(p["pack_index"]) for p in got]
+    assert len(set(seen)) == len(seen) == 2 * (n // 2)
+
+
+def test_real_cache_resume_and_workers(real):
+    """A state saved after k packs resumes with the same packs; a DataLoader with 2 workers
+    (each re-opening the cache) serves the single-process order."""
+    path, n = real["path"], len(real["cache"])
+    full = take(CachedVLDataset(path, 0, 1, seed=2), 2 * n)
+    ds = CachedVLDataset(path, 0, 1, seed=2)
+    it = iter(ds)
+    head = [int(next(it)["pack_index"]) for _ in range(3)]
+    ds2 = CachedVLDataset(path, 0, 1, seed=2)
+    ds2.load_state_dict(ds.state_dict())
+    assert head + take(ds2, 2 * n - 3) == full
+    assert full == documented_order(n, 2, 0) + documented_order(n, 2, 1)
+    coll = PackCollator("hf", real["cache"].special_tokens, normalize_on="device")
+    one = CachedVLDataset(path, 0, 1, infinite=False, seed=2, block_size=2)
+    two = CachedVLDataset(path, 0, 1, infinite=False, seed=2, block_size=2)
+    a = list(DataLoader(one, batch_size=2, collate_fn=coll))
+    b = list(DataLoader(two, batch_size=2, collate_fn=coll, num_workers=2))
+    assert len(a) == len(b) == -(-n // 2)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b, strict=True))
+    assert all(torch.equal(x["pixel_values"], y["pixel_values"]) for x, y in zip(a, b, strict=True))
+
+
+@needs_inotify
+def test_real_cache_open_and_resume_read_no_pack_data(real):
+    """Constructing the dataset, saving and loading its state and locating its next packs open
+    no data file of the cache (only the manifest's shard meta.json); the first pack does."""
+    shards = sorted(d for d in (real["path"] / "shards").iterdir() if d.is_dir())
+    with watch_opens(shards) as opened:
+        ds = CachedVLDataset(real["path"], 1, 2, seed=3)
+        ds.load_state_dict(ds.state_dict() | {"cursor": 2})
+        ds.pack_index_of(5)
+        assert {name for _, name in opened()} == {"meta.json"}
+        next(iter(ds))
+        assert any(name.endswith(".memmap") for _, name in opened())

@@ -14,8 +14,8 @@ import torch
 
 from torchtitan_ext.loaders.vl import CachedVLDataLoader, OnlinePreprocessingWarning
 from torchtitan_ext.vl.collate import finish_on_device
-from torchtitan_ext.vl.dataset import epoch_permutation
 
+from .support.vl_order import documented_order
 from .support.vl_sample import sample_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -321,22 +321,22 @@ def test_finite_pass_moves_state_to_next_epoch(env, num_workers):
                 ][:1]
         return out
 
-    assert ids(first) == epoch_permutation(n, 0, 0, True).tolist()
-    assert ids(second) == epoch_permutation(n, 0, 1, True).tolist()
+    assert ids(first) == documented_order(n, 0, 0)
+    assert ids(second) == documented_order(n, 0, 1)
 
 
 @pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
 def test_async_device_loader_finishes_device_batches(env, fmt):
     """AsyncDeviceLoader with the loader's finisher == CPU normalisation, bit for bit."""
-    staging = pytest.importorskip("torchtitan_ext.device.staging")
+    from torchtitan_ext.device.staging import AsyncDeviceLoader
+
     dev = make(env, batch_format=fmt, normalize_on="device")
-    wrapped = staging.AsyncDeviceLoader(dev, "cpu", device_transform=dev.finish_on_device)
+    wrapped = AsyncDeviceLoader(dev, "cpu", device_transform=dev.finish_on_device)
     it = iter(wrapped)  # once: a second iter() starts a new pass (prefetched batches dropped)
     got = [next(it) for _ in range(3)]
     ref = list(itertools.islice(iter(make(env, batch_format=fmt, normalize_on="collate")), 3))
     assert all(same(a, b) for a, b in zip(got, ref, strict=True))
-    if hasattr(wrapped, "close"):
-        wrapped.close()
+    wrapped.close()
 
 
 def test_online_counts_skips_that_reconcile(env, tmp_path):
@@ -354,3 +354,23 @@ def test_online_counts_skips_that_reconcile(env, tmp_path):
     assert samples == ds.rows_ok and ds.rows_ok + skipped == ds.num_rows
     expected = {r for r in BAD_ROW_REASONS.values() if r is not None}
     assert set(ds.skips) <= expected and skipped >= 1
+
+
+def test_state_from_the_other_source_is_refused(env, tmp_path):
+    """A state saved reading the cache does not load into a loader on the online fallback (their
+    orders differ), nor the other way; torchtitan's per-rank form {"dp_rank_r": ...} loads."""
+    cached = make(env)
+    it = iter(cached)
+    next(it)
+    state = cached.state_dict()
+    with pytest.warns(OnlinePreprocessingWarning):
+        online = make(env, cache_dir=str(tmp_path / "none"), max_samples=12)
+    with pytest.raises(ValueError, match="saved from the cache source .* reads from the online"):
+        online.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved from the online source .* reads from the cache"):
+        make(env).load_state_dict(online.state_dict())
+    with pytest.raises(ValueError, match="no 'global' entry"):
+        make(env).load_state_dict({"step": 3})
+    ranked = make(env)
+    ranked.load_state_dict({"dp_rank_0": state["global"]})
+    assert same(next(iter(ranked)), next(it))

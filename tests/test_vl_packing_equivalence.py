@@ -2,24 +2,26 @@
 
 A tiny randomly initialised ``Qwen3VLForConditionalGeneration`` (built from a config, no
 download; vocabulary covering the offline tokenizer) runs (a) a batch collated from cached packs
-and (b) every sample of those packs alone, processed again from its source row by
-``process_sample`` (the unpacked path, independent of the cache). Logits agree to 1e-5, the
-packed loss equals the token-weighted mean of the per-sample losses, the torchtitan-format labels
-give the same loss, and one optimizer step runs on the packed batch.
+and (b) every sample of those packs alone as transformers alone makes it: its source row read
+with pyarrow, ``Qwen3VLProcessor`` on the chat template's text and the PIL image, labels on the
+assistant span found in the ids, and the model's own mRoPE positions (no ``position_ids``
+given). The packed batch holds exactly those ids and ``get_rope_index``'s positions, logits agree
+to 1e-5, the packed loss equals the token-weighted mean of the per-sample losses, the
+torchtitan-format labels give the same loss, and one optimizer step runs on the packed batch.
 """
 
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan
+from torchtitan_ext.vl.dataset import CachedVLDataset
 
-from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan  # noqa: E402
-from torchtitan_ext.vl.dataset import CachedVLDataset  # noqa: E402
-
-from .support.tiny_qwen3vl import run_alone, tiny_model  # noqa: E402
-from .support.vl_sample import sample_cache  # noqa: E402
+from .support.tiny_qwen3vl import run_hf, tiny_model
+from .support.vl_chat import pil, positions_reference, vqa_reference
+from .support.vl_sample import sample_cache
 
 
 @pytest.fixture(scope="module")
@@ -28,26 +30,18 @@ def env(tmp_path_factory):
     from torchtitan_ext.vl.processor import load_processor
 
     with sample_cache(tmp_path_factory, "vl_eq") as env:
-        yield {**env, "cache": VLCache.open(env["path"]), "proc": load_processor(None)}
+        rows = pq.read_table(sorted(env["data"].glob("*.parquet"))).to_pylist()
+        cache = VLCache.open(env["path"])
+        yield {**env, "cache": cache, "proc": load_processor(None), "rows": rows}
 
 
-def alone_samples(env, pack_index: int):
-    """Re-process the pack's source rows from scratch (the unpacked path)."""
-    import datasets
-
-    from torchtitan_ext.vl.processor import decode_image
-    from torchtitan_ext.vl.sample import process_sample
-
-    rows = env["cache"].pack_rows(pack_index)
-    ds = datasets.load_dataset(
-        "parquet", data_files=str(env["data"] / "*.parquet"), split="train"
-    ).cast_column("image", datasets.Image(decode=False))
+def alone_references(env, pack_index: int) -> list[dict]:
+    """transformers' processing of the pack's source rows (tests/support/vl_chat.py)."""
     out = []
-    for r in rows:
-        row = ds[int(r)]
-        out.append(
-            process_sample(env["proc"], decode_image(row["image"]), row["question"], row["answer"])
-        )
+    for r in env["cache"].pack_rows(pack_index):
+        row = env["rows"][r]
+        out.append(vqa_reference(env["proc"], [pil(row["image"]["bytes"])], row["question"],
+                                 row["answer"]))  # fmt: skip
     return out
 
 
@@ -69,20 +63,23 @@ def test_packed_equals_unpacked_logits_loss_and_step(env):
         out = model(**batch)
 
     total_loss, total_n, worst = 0.0, 0, 0.0
+    pad = special["image_pad_id"]
     for row, idx in enumerate([i_long, i_short]):
-        samples = alone_samples(env, idx)
-        assert len(samples) == len(packs[row]["seq_lens"]) >= 1
+        refs = alone_references(env, idx)
+        assert len(refs) == len(packs[row]["seq_lens"]) >= 2
         offset = 0
-        for s in samples:
-            n = int(s.input_ids.numel())
-            # The cache holds exactly the unpacked sample's tokens, positions and pixels.
-            assert torch.equal(batch["input_ids"][row, offset : offset + n], s.input_ids)
-            assert torch.equal(batch["position_ids"][:, row, offset : offset + n], s.position_ids)
-            ref = run_alone(model, s, norm)
-            d = (out.logits[row, offset : offset + n] - ref.logits[0]).abs().max().item()
+        for ref in refs:
+            ids = ref["input_ids"]
+            n = int(ids.numel())
+            # The cache holds exactly transformers' tokens and get_rope_index's positions.
+            assert torch.equal(batch["input_ids"][row, offset : offset + n], ids)
+            want = positions_reference(model.model, ids, ref["image_grid_thw"], pad)
+            assert torch.equal(batch["position_ids"][:, row, offset : offset + n], want)
+            alone = run_hf(model, ref)
+            d = (out.logits[row, offset : offset + n] - alone.logits[0]).abs().max().item()
             worst = max(worst, d)
-            k = int((s.labels[1:] != -100).sum())
-            total_loss += ref.loss.item() * k
+            k = int((ref["labels"][1:] != -100).sum())
+            total_loss += alone.loss.item() * k
             total_n += k
             offset += n
         assert offset == int(packs[row]["num_tokens"])

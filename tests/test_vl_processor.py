@@ -1,4 +1,7 @@
-"""Offline Qwen3-VL processor: pixels bit-exact vs HF, ids/labels, mRoPE vs get_rope_index."""
+"""Offline Qwen3-VL processor: pixels bit-exact vs HF, ids/labels, mRoPE vs get_rope_index.
+
+The HF reference of a VQA sample writes its conversation by hand (tests/support/vl_chat.py),
+so the fast path's own ``vqa_messages`` is checked too."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from PIL import Image
 
 from torchtitan_ext.vl import processor as P
 from torchtitan_ext.vl import sample as VS
+
+from .support.vl_chat import vqa_reference
 
 SRC = Path(__file__).parents[1] / "torchtitan_ext" / "data" / "vl_src"
 
@@ -77,13 +82,13 @@ def test_pixels_and_ids_bit_exact_vs_hf(proc, path):
     src.thumbnail((200, 200))
     for mode, img in _modes(src):
         ours = VS.process_sample(proc, img, "What is it?", "Something.")
-        ref = VS.hf_process(proc, [img], "What is it?", "Something.")
+        ref = vqa_reference(proc, [img], "What is it?", "Something.")
         assert ours.pixel_u8.dtype == torch.uint8 and ours.pixel_u8.shape[1] == 768
         got = P.normalize_patches(ours.pixel_u8)
         assert got.dtype == ref["pixel_values"].dtype == torch.float32
         assert torch.equal(got, ref["pixel_values"]), (path.name, mode)
         assert torch.equal(ours.image_grid_thw, ref["image_grid_thw"])
-        assert torch.equal(ours.input_ids, ref["input_ids"][0]), (path.name, mode)
+        assert torch.equal(ours.input_ids, ref["input_ids"]), (path.name, mode)
 
 
 def test_pixels_bit_exact_on_sample_dataset_variants(proc, tmp_path):
@@ -100,9 +105,10 @@ def test_pixels_bit_exact_on_sample_dataset_variants(proc, tmp_path):
         img.load()
         modes.add(img.mode)
         ours = VS.process_sample(proc, img, r["question"], r["answer"])
-        ref = VS.hf_process(proc, [img], r["question"], r["answer"])
+        ref = vqa_reference(proc, [img], r["question"], r["answer"])
         assert torch.equal(P.normalize_patches(ours.pixel_u8), ref["pixel_values"])
-        assert torch.equal(ours.input_ids, ref["input_ids"][0])
+        assert torch.equal(ours.input_ids, ref["input_ids"])
+        assert torch.equal(ours.labels, ref["labels"])
     assert {"RGB", "L", "RGBA", "P", "CMYK"} <= modes
 
 
@@ -124,10 +130,10 @@ def test_two_images_and_one_pixel_image(proc):
     a = Image.new("RGB", (1, 1), (255, 0, 0))  # 1x1 -> upscaled to 256x256 (min pixels)
     b = Image.new("L", (300, 90), 77)
     s = VS.process_sample(proc, [a, b], "Compare.", "Different.")
-    ref = VS.hf_process(proc, [a, b], "Compare.", "Different.")
+    ref = vqa_reference(proc, [a, b], "Compare.", "Different.")
     assert s.image_grid_thw.tolist()[0] == [1, 16, 16]
     assert torch.equal(P.normalize_patches(s.pixel_u8), ref["pixel_values"])
-    assert torch.equal(s.input_ids, ref["input_ids"][0])
+    assert torch.equal(s.input_ids, ref["input_ids"])
 
 
 @settings(max_examples=30, deadline=None)
@@ -254,8 +260,9 @@ def test_load_processor_rejects_non_processor_dir(tmp_path):
 
 def test_a_row_without_images_is_a_text_only_sample(proc):
     s = VS.process_sample(proc, [], "What is two plus two?", "Four.")
-    ref = VS.hf_process(proc, [], "What is two plus two?", "Four.")
-    assert torch.equal(s.input_ids, ref["input_ids"][0])
+    ref = vqa_reference(proc, [], "What is two plus two?", "Four.")
+    assert torch.equal(s.input_ids, ref["input_ids"])
+    assert torch.equal(s.labels, ref["labels"])
     assert s.pixel_u8.shape == (0, 768) and s.image_grid_thw.shape == (0, 3)
     assert proc.tokenizer.decode(s.input_ids[s.labels != -100].tolist()) == "Four.<|im_end|>"
 

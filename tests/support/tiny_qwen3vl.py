@@ -1,8 +1,11 @@
 """Tiny randomly initialised Qwen3-VL models (transformers, built from a config: no download):
 ``tiny_model`` (whose token ids are the offline processor's special tokens) for the
-packing-equivalence tests, ``rope_model`` for ``get_rope_index``; ``run_alone`` runs one sample."""
+packing-equivalence tests, ``rope_model`` for ``get_rope_index``; ``run_hf`` runs one sample as
+transformers processed it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -52,18 +55,9 @@ def rope_model() -> torch.nn.Module:
     return tiny_model(ids, vocab=600).model.eval()
 
 
-def run_alone(model: torch.nn.Module, s, norm):
-    """One unpadded sample (a ``VLSample``) through ``model`` with its labels (no grad)."""
-    from torchtitan_ext.vl.collate import normalize
-
-    kw = {}
-    if len(s.image_grid_thw):
-        kw = {"pixel_values": normalize(s.pixel_u8, norm), "image_grid_thw": s.image_grid_thw}
+def run_hf(model: torch.nn.Module, ref: dict) -> Any:
+    """One sample as transformers runs it alone (no grad): the processor's output (``inputs`` of
+    ``tests/support/vl_chat.hf_reference``) and its labels; the model computes its own mRoPE
+    positions from the ids and grids."""
     with torch.no_grad():
-        return model(
-            input_ids=s.input_ids[None],
-            position_ids=s.position_ids[:, None],
-            labels=s.labels[None],
-            use_cache=False,
-            **kw,
-        )
+        return model(**ref["inputs"], labels=ref["labels"][None], use_cache=False)

@@ -13,17 +13,45 @@ from PIL import Image
 
 def hf_reference(proc: Any, messages: list[dict], images: list[Image.Image]) -> dict[str, Any]:
     """transformers' path: ``apply_chat_template`` then ``Qwen3VLProcessor(text, images)``;
-    labels from :func:`assistant_labels`."""
+    labels from :func:`assistant_labels`. ``inputs``: the processor's whole output (model
+    kwargs, batch of one)."""
     text = proc.apply_chat_template(messages, tokenize=False)
     out = proc(text=[text], images=images or None, return_tensors="pt")
     ids = out["input_ids"][0]
     return {
+        "inputs": dict(out),
         "text": text,
         "input_ids": ids,
         "labels": assistant_labels(proc, ids),
         "image_grid_thw": out.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.int64)),
         "pixel_values": out.get("pixel_values"),
     }
+
+
+def vqa_reference(
+    proc: Any, images: list[Image.Image], question: str, answer: str
+) -> dict[str, Any]:
+    """:func:`hf_reference` of a VQA row, its conversation written here by hand: the images,
+    then the question, in the user turn; the answer in the assistant turn."""
+    user = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return hf_reference(proc, messages, images)
+
+
+def chat_reference(proc: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """:func:`hf_reference` of a ``messages`` + ``images`` row as ``datasets`` writes it (content
+    parts ``{type, text}``, images ``{bytes, path}``), turned into HF chat messages here."""
+    messages = [
+        {
+            "role": m["role"],
+            "content": [
+                {"type": "image"} if c["type"] == "image" else {"type": "text", "text": c["text"]}
+                for c in m["content"]
+            ],
+        }
+        for m in row["messages"]
+    ]
+    return hf_reference(proc, messages, [pil(im["bytes"]) for im in row["images"]])
 
 
 def assistant_labels(proc: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -102,3 +130,12 @@ def rope_reference(model: Any, ids: torch.Tensor, grid: torch.Tensor, pad: int) 
     t = ids[None]
     pos, _ = model.get_rope_index(t, (t == pad).int(), image_grid_thw=grid if len(grid) else None)
     return pos[:, 0].numpy()
+
+
+def positions_reference(
+    model: Any, ids: torch.Tensor, grid: torch.Tensor, pad: int
+) -> torch.Tensor:
+    """A sample's four position rows [4, L] as the cache serves them: row 0 counts the tokens,
+    rows 1-3 are :func:`rope_reference`."""
+    rope = torch.from_numpy(rope_reference(model, ids, grid, pad))
+    return torch.cat([torch.arange(len(ids))[None], rope.to(torch.int64)])

@@ -496,6 +496,7 @@ class _ShardBuilder:
         n_rows = sum(self.ranges[k][1] - self.ranges[k][0] for k in mine)
         bar = tqdm(total=n_rows, unit="sample", desc=f"preprocess {self.tag}",
                    disable=not self.progress, dynamic_ncols=True, smoothing=0.1)  # fmt: skip
+        threads = torch.get_num_threads()  # an in-process pool sets 1: the caller keeps its own
         pool = self._pool()
         shards = self.res.kdir / SHARDS
         packs = skips = 0
@@ -525,6 +526,7 @@ class _ShardBuilder:
             if pool is not None:
                 pool.terminate()
                 pool.join()
+            torch.set_num_threads(threads)
             bar.close()
 
     def _pool(self):

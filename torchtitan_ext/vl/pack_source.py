@@ -101,8 +101,6 @@ def key_args(req: PackRequest, seq_len: int) -> dict[str, Any]:
 
 
 def _build(req: PackRequest, seq_len: int, force: bool) -> Path:
-    import torch
-
     from torchtitan_ext.vl import build  # looked up at call time (tests spy on build_cache)
 
     kw = key_args(req, seq_len)
@@ -111,21 +109,16 @@ def _build(req: PackRequest, seq_len: int, force: bool) -> Path:
         kw["dataset"],
         req.cache_dir,
     )
-    threads = torch.get_num_threads()
-    try:
-        return Path(
-            build.build_cache(
-                **kw,
-                num_workers=req.preprocess_workers,
-                strict=req.strict,
-                force=force,
-                show_progress=False,
-            )
+    # (an in-process build leaves the training job's torch thread count as it was)
+    return Path(
+        build.build_cache(
+            **kw,
+            num_workers=req.preprocess_workers,
+            strict=req.strict,
+            force=force,
+            show_progress=False,
         )
-    finally:
-        # an in-process build sets torch's intra-op threads to 1 (pool-worker setup); the
-        # training job keeps its own setting
-        torch.set_num_threads(threads)
+    )
 
 
 def choose_cache(req: PackRequest, seq_len: int) -> Path | None:
