@@ -1,13 +1,13 @@
 """AsyncDeviceLoader: overlap batch loading and the host-to-device copy with the training step.
 
-Algorithm (torch-async's decoupled pipeline, seed 003, with threads instead of processes):
+Algorithm (torch-async's decoupled pipeline, with threads instead of processes):
 
 * **fetch thread** pulls ``next(iterator)`` from the wrapped loader, snapshots the wrapped
   loader's ``state_dict()`` right after the pull (so the snapshot travels with its batch) and puts
   the pair on a bounded queue.
 * **stage thread** (CUDA, or ``mode="staged"``) flattens the batch (nested dicts / lists /
   tuples; non-tensor leaves pass through untouched), picks a *buffer slot* keyed by the batch's
-  shape signature from a pool (the seed's free queue; bucketed shapes reuse their slots, a new
+  shape signature from a pool (a free queue per shape; bucketed shapes reuse their slots, a new
   shape allocates, least-recently-used shapes are evicted past ``max_signatures``), copies each
   tensor into the slot's pinned host buffer (skipped when the source is already pinned), issues
   ``non_blocking`` copies into device memory on a dedicated copy stream, normalises uint8
@@ -197,7 +197,7 @@ def _unflatten(spec: Any, leaves: Iterator[Any], template: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# buffer slots, keyed by shape signature (the seed's free queues)
+# buffer slots, keyed by shape signature (a free queue per shape)
 # --------------------------------------------------------------------------------------------
 
 

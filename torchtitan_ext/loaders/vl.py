@@ -173,7 +173,7 @@ class CachedVLDataLoader(BaseDataLoader):
 
         format: Format = BuildConfig.format
         """Row layout: "vqa", "messages" (HF chat), "llava", "cauldron", or "auto" (detected
-        from the columns); ``preprocess-cached --format`` (docs/vl_data_formats.md)."""
+        from the columns); ``preprocess-cached --format`` (docs/vl-data-formats.md)."""
 
         image_column: str | None = BuildConfig.image_column
         """The image column (None: detected); ``--image-column``."""

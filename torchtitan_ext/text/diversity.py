@@ -12,9 +12,9 @@
   row's label-only last token); a document starting twice in the same epoch is a duplicate, and
   the distinct documents started in epoch ``e`` over the source size is that epoch's coverage.
   A loader with no notion of epochs reports epoch 0 forever, so its replays count as duplicates —
-  which is exactly the seed's bug.
+  which is exactly the ``take(N)`` replay bug.
 
-:class:`BuggyTakeDataset` reproduces the seed's loader (``take(N)`` rebuilt on every
+:class:`BuggyTakeDataset` reproduces a ``take(N)``-style loader (``take(N)`` rebuilt on every
 ``__iter__``, seed-per-worker shuffle, manual worker filtering, token buffer): a demonstration
 that the checks catch it, not something to train with.
 
@@ -243,7 +243,7 @@ class DiversityMeter:
 
 
 class BuggyTakeDataset(IterableDataset):
-    """The seed's loader, bug included — for demonstrating the checks, never for training.
+    """A ``take(N)``-style loader, bug included — for demonstrating the checks, never for training.
 
     Every ``__iter__`` rebuilds ``load_dataset(...).take(N).shuffle(seed + worker_id)``, keeps
     every ``num_workers``-th document, and joins documents with EOS into ``seq_len + 1`` windows.

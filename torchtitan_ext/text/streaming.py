@@ -1,9 +1,9 @@
 """StreamingTextDataset: an infinite, never-repeating, exactly resumable text stream on top of
 Hugging Face ``datasets`` streaming (``load_dataset(..., streaming=True)``).
 
-Why it exists. The seed's loader wrapped ``take(N)`` in a persistent-worker DataLoader: every new
-``__iter__`` rebuilt ``take(N)`` and replayed the same N documents forever (loss 10 -> 2.8 in 100
-steps). Its cousins in ``datasets``-based loaders: a resume that restarts at zero on the second
+Why it exists. A classic streaming bug: a loader wraps ``take(N)`` in a persistent-worker
+DataLoader, every new ``__iter__`` rebuilds ``take(N)`` and replays the same N documents forever
+(the loss falls as the model memorises them). Its cousins in ``datasets``-based loaders: a resume that restarts at zero on the second
 restart, ``skip`` after ``split_dataset_by_node`` handing every rank everything, epochs shrinking
 after a resume, a shuffle buffer silently refilled differently after a resume. This class makes
 that family impossible by construction: **Hugging Face only reads rows; the position is ours**.

@@ -11,8 +11,7 @@ Algorithm
    just before a ``\\n`` that follows a printable ASCII byte, where GPT-2's regex provably
    splits). The reader thread finds the cuts on a read-only memory map of the file and feeds
    ``(start, end)`` offsets through a bounded queue to a pool of worker processes; each worker
-   reads its ranges itself as bytes (no file data crosses a pipe: one step beyond the seed's
-   "ship bytes, not str"), decodes, splits on the special tokens (longest first, so specials
+   reads its ranges itself as bytes (no file data crosses a pipe, not even as bytes), decodes, splits on the special tokens (longest first, so specials
    never join a merge), runs GPT-2's pattern with the ``regex`` package (the reference engine
    itself, so the pre-tokens are exact by construction) and counts them in one ``Counter`` across
    all its chunks; it ships that one counter back on its sentinel, so inter-process traffic is

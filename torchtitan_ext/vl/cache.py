@@ -299,7 +299,8 @@ class VLCache:
         ).astype(np.int64)
 
     def pack(self, i: int, copy_pixels: bool = True) -> dict[str, torch.Tensor]:
-        """Pack i as tensors (see VL-CONTRACT.md).
+        """Pack i as tensors: ``input_ids``, ``labels``, ``position_ids``, ``seq_lens``, ``pixel_u8``,
+        ``image_grid_thw``, ``num_tokens`` (docs/vl-cache.md describes the format).
 
         ``copy_pixels=False`` returns ``pixel_u8`` as a zero-copy view of the file mapping (for a
         consumer that copies it straight into a pinned buffer). The mapping is copy-on-write:

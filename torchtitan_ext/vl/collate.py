@@ -5,7 +5,7 @@ Input: a list of pack dicts as yielded by ``CachedVLDataset`` (``input_ids`` [L]
 are already padded to a bucket length; a batch is padded to its longest pack (with
 ``local_batch_size = 1``, the usual choice for 8k packs, nothing is padded and the text tensors are
 views). Pixels travel as uint8 (half the bytes of one float32 temporal half, an eighth of the
-seed's float32 [N, 1536]); normalisation ``(x/255 - mean)/std`` plus the temporal duplication
+processor's float32 [N, 1536]); normalisation ``(x/255 - mean)/std`` plus the temporal duplication
 happens either here (``normalize_on="collate"``, CPU) or after the host-to-device copy
 (``normalize_on="device"``: ``pixel_values`` stays **uint8** [.., 768] and is normalised where it
 lands — ``AsyncDeviceLoader`` normalises uint8 ``pixel_values`` right after its copy (its

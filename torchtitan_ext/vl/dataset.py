@@ -36,16 +36,11 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
 
 State is plain ints (no pickle).
 
-Measured cost (``python -m benchmarks vl_dataset``, shared 2-core box, medians; other jobs load
-the box and single runs vary up to 2-3x): choosing the next pack is O(1) (one cached ``randperm``
-per epoch: ~0.3 ms at 10k packs). ``next()`` + collate of an ~8k-token pack (8113 tokens, 23
-images, 27.6k uint8 patch rows = 21 MB) costs 1.7 ms in the HF format and 2.8 ms in torchtitan's
-(its per-image padded layout copies the pixels once); 7.3 ms the first time a process touches a
-pack (page faults of a warm page cache), vs 138 ms for online preprocessing of the same rows
-(``vl/online.py``, float pixels: the seed's path; 107-310 ms across runs) and 38 ms to
-materialise the seed's float32 pack. Opening (``VLCache.open`` + this class) at realistic shapes
-(8k-token packs, 1,024 rows per shard): 0.24 ms for ~100 packs, 1.3 ms for 1k, 29 ms for 10k
-(228 shards) vs 12 ms / 247 ms for the seed's one directory per pack (``vl/cache.py``).
+Cost: choosing the next pack is O(1) (one cached ``randperm`` per epoch). ``next()`` + collate of
+an ~8k-token pack costs a few ms (torchtitan's per-image padded layout copies the pixels once);
+the ``python -m benchmarks vl_dataset`` tables in ``benchmarks/RESULTS.md`` compare it with online
+preprocessing of the same rows, with a materialised float32 pack, and cache opening with one
+directory per pack.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from torchtitan_ext.vl.format import PACKING_STATS
 
 
 def float32_bytes(patches: int, padded_tokens: int, images: int) -> int:
-    """Bytes of the same packs in the seed's layout (float32 pixels, int64 text, 4 position rows)."""
+    """Bytes of the same packs as float32 pixels, int64 text and 4 position rows."""
     return patches * 1536 * 4 + padded_tokens * (8 + 8 + 4 * 8) + images * 3 * 8
 
 

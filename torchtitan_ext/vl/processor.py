@@ -22,12 +22,10 @@ Algorithm
   ``spatial_merge_size``, no weights (equality with the real method is tested, several images in
   one sample included).
 
-Measured (2-core box, benchmarks/vl_preprocess.py, decode included on both sides, medians):
-640x480 JPEGs (VQAv2/COCO-sized, the seed's workload) 1.35 ms vs 5.8-6.9 ms per image with the HF
-processor (4.3-5.1x; 5.5-6x when the box was loaded); the sample set's thumbnails (24-320 px,
-upscaled to >= 256x256) 0.98 ms vs 2.5-2.8 ms (2.5-2.8x): there the identical PIL bicubic resize
-that both sides must do is ~70 % of our time, so ~3x is the ceiling. Pixels are identical after
-``normalize_patches``.
+Speed against the HF processor on 640x480 JPEGs and on the sample set's thumbnails, decode
+included on both sides: ``python -m benchmarks vl_preprocess`` (tables in
+``benchmarks/RESULTS.md``); on thumbnails the PIL bicubic resize both sides must do is most of
+our time. Pixels are identical after ``normalize_patches``.
 """
 
 from __future__ import annotations
