@@ -98,10 +98,11 @@ def test_every_relative_link_resolves(doc: Path):
 
 
 def test_docs_named_in_code_configs_and_docs_exist():
-    """``docs/x.md`` in a docstring, --help text, TOML comment, the Makefile or a doc's prose."""
+    """``docs/<name>.md`` in a docstring, --help text, TOML comment, the Makefile or a doc's prose."""
     mention = re.compile(r"\bdocs/([\w.-]+\.md)\b")
     sources = [
         *REPO.glob("torchtitan_ext/**/*.py"),
+        *REPO.glob("tests/**/*.py"),
         *REPO.glob("scripts/*.py"),
         *REPO.glob("benchmarks/*.py"),
         *REPO.glob("train_configs/*.toml"),

@@ -1,4 +1,4 @@
-"""The cache key (docs/vl_cache.md, "The cache key and the source fingerprint"): each input the
+"""The cache key (docs/vl-cache.md, "The cache key and the source fingerprint"): each input the
 docs name changes it, and what does not change the cache's bytes leaves it alone.
 
 Keys are computed with ``resolve`` (no build). Every ``BuildConfig`` field must have a case
@@ -170,7 +170,7 @@ def test_builder_and_loader_knobs_keep_the_key(root, ds, monkeypatch):
 
 
 def test_image_files_read_by_path_are_not_in_the_key(root):
-    """The documented limit (docs/vl_data_formats.md, "Cache key"): images a row names by path
+    """The documented limit (docs/vl-data-formats.md, "Cache key"): images a row names by path
     are not hashed into the key, so editing such a file in place keeps the key (rebuild with
     --force); the Parquet file itself is."""
     import pyarrow as pa

@@ -130,7 +130,7 @@ def test_parse_odd_cells():
      ("bing", "assistant"), ("model", "assistant")],
 )  # fmt: skip
 def test_sharegpt_roles_in_either_key_spelling(said, role):
-    """docs/vl_data_formats.md: ShareGPT's human / gpt (and chatgpt, bard, bing, model) map
+    """docs/vl-data-formats.md: ShareGPT's human / gpt (and chatgpt, bard, bing, model) map
     onto system / user / assistant, as ``role``/``content`` or ``from``/``value``."""
     for turn in ({"role": said, "content": "x"}, {"from": said, "value": "x"}):
         s = L.MessagesLayout("messages", "images").parse({"messages": [turn], "images": None})
