@@ -19,12 +19,9 @@ from typing import Any, Literal
 import pytest
 
 from tests.conftest import REPO
-
-pytest.importorskip("torchtitan")
-
-from torchtitan_ext.config import ConfigError, StagingSection, load_config  # noqa: E402
-from torchtitan_ext.registry import get_loader_config  # noqa: E402
-from torchtitan_ext.toml_config import LEGACY_ALIASES  # noqa: E402
+from torchtitan_ext.config import ConfigError, StagingSection, load_config
+from torchtitan_ext.registry import get_loader_config
+from torchtitan_ext.toml_config import LEGACY_ALIASES
 
 LOADERS = ["parquet_prefetch", "streaming_text", "cached_vl"]
 

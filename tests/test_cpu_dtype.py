@@ -11,10 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-
-pytest.importorskip("torchtitan")
-
-from torchtitan_ext import cpu_compat  # noqa: E402
+from torchtitan_ext import cpu_compat
 
 MAIN = REPO / "train_configs" / "llama3_debug_cpu.toml"
 

@@ -7,10 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-
-pytest.importorskip("PIL")
-
-from torchtitan_ext.peek_render import FONT_FILE, BatchView, font, render_batch  # noqa: E402
+from torchtitan_ext.peek_render import FONT_FILE, BatchView, font, render_batch
 
 
 def _glyph(fnt, ch: str) -> bytes:

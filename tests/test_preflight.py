@@ -19,13 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO
-
-pytest.importorskip("torchtitan")
-
-from torchtitan_ext import preflight, train  # noqa: E402
-from torchtitan_ext.config import ConfigError, load_config  # noqa: E402
-from torchtitan_ext.data.embedded import corpus_documents  # noqa: E402
-from torchtitan_ext.preflight.checkpoint import RECORD  # noqa: E402
+from torchtitan_ext import preflight, train
+from torchtitan_ext.config import ConfigError, load_config
+from torchtitan_ext.data.embedded import corpus_documents
+from torchtitan_ext.preflight.checkpoint import RECORD
 
 MAIN = REPO / "train_configs" / "llama3_debug_cpu.toml"
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tiktoken
 from tokenizers import (
     AddedToken,
     Regex,
@@ -38,8 +39,6 @@ from torchtitan_ext.text import fast_bpe, tokenize
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
 from torchtitan_ext.text.streaming import StreamingTextDataset
 from torchtitan_ext.text.tokenize import TextTokenizer
-
-pytest.importorskip("tiktoken")
 
 HELDOUT = json.loads((TEST_DATA / "text" / "heldout_texts.json").read_text(encoding="utf-8"))
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -473,7 +472,6 @@ def test_brute_force_agreement_on_random_tiny_merge_lists():
     """The theorem against brute force: random merge lists over a 3-letter alphabet; wherever the
     proof accepts, tiktoken and tokenizers agree on every word up to 7 letters; and among those
     it refuses, most really differ (the check is not vacuous)."""
-    tiktoken = pytest.importorskip("tiktoken")
     rng = np.random.default_rng(0)
     accepted = refused_and_differ = 0
     words = ["".join(w) for n in range(1, 8) for w in itertools.product("abc", repeat=n)]

@@ -66,7 +66,8 @@ def test_every_build_option_has_a_case():
 
 @pytest.mark.parametrize("name", sorted(CHANGES))
 def test_each_build_option_changes_the_key(root, ds, name):
-    if name == "split":  # a second split of the same rows
+    if name == "split":
+        # a second split of the same rows, in files of their own
         d = root / "two_splits"
         if not d.exists():
             d.mkdir()
@@ -74,6 +75,9 @@ def test_each_build_option_changes_the_key(root, ds, name):
             shutil.copy(f, d / "train-00000-of-00001.parquet")
             shutil.copy(f, d / "validation-00000-of-00001.parquet")
         assert key(d, split="validation") != key(d)
+        # one file read as either split: the same files, so only the split tells them apart
+        (f,) = ds.glob("*.parquet")
+        assert key(f, split="validation") != key(f)
         return
     args = {"seq_len": SEQ, "buffer_size": BUF}
     if name in args:
