@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return rc or 1
+        print(f"home check: HOME={home} is still empty", flush=True)
         return rc
     finally:
         shutil.rmtree(home, ignore_errors=True)
