@@ -98,7 +98,8 @@ def test_every_relative_link_resolves(doc: Path):
 
 
 def test_docs_named_in_code_configs_and_docs_exist():
-    """``docs/<name>.md`` in a docstring, --help text, TOML comment, the Makefile or a doc's prose."""
+    """``docs/<name>.md`` (and ``tests/test_<name>.py``) in a docstring, --help text, TOML
+    comment, the Makefile or a doc's prose."""
     mention = re.compile(r"\bdocs/([\w.-]+\.md)\b")
     sources = [
         *REPO.glob("torchtitan_ext/**/*.py"),
@@ -111,12 +112,16 @@ def test_docs_named_in_code_configs_and_docs_exist():
         REPO / "benchmarks" / "results_history.md",
         *DOCS,
     ]
+    test_file = re.compile(r"\btests/(test_\w+\.py)\b")
     problems = []
     for f in sources:
         for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
             for name in mention.findall(line):
                 if not (REPO / "docs" / name).is_file():
                     problems.append(f"{f.relative_to(REPO)}:{i}: docs/{name} does not exist")
+            for name in test_file.findall(line):
+                if not (REPO / "tests" / name).is_file():
+                    problems.append(f"{f.relative_to(REPO)}:{i}: tests/{name} does not exist")
     assert not problems, "\n".join(problems)
 
 

@@ -93,7 +93,7 @@ LLAMA3_PATTERN = (
     r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 # Each matches every character (a letter, a digit, whitespace or anything else starts a match),
-# and tests/test_tokenize_equivalence.py checks both regex engines agree on every code point.
+# and tests/test_tokenizer_zoo.py checks both regex engines agree on every code point.
 KNOWN_PATTERNS: dict[str, str] = {
     GPT2_PATTERN: "GPT-2",
     LLAMA3_PATTERN: "Llama 3 / cl100k",
