@@ -1,5 +1,5 @@
 """Where a VL training job's packs come from: a cache that exists, a cache built now, or the online
-fallback. The torchtitan loader (``loaders/vl.py``) only maps its Config onto :func:`open_packs`.
+fallback. ``vl/reader.py`` (under the torchtitan loader) opens its packs with :func:`open_packs`.
 
 :func:`choose_cache` resolves the data source once:
 
