@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from torchtitan.components.dataloader import BaseDataLoader
 
-from torchtitan_ext.vl.build import BuildConfig
+from torchtitan_ext.vl.build_config import BuildConfig
 from torchtitan_ext.vl.layouts import Format
 from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning
 from torchtitan_ext.vl.reader import VLReader, processor_path
