@@ -28,7 +28,7 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
   ``state_dict()`` returns the global ``(epoch, cursor)`` (elastic). Inside a worker
   (torchdata's ``StatefulDataLoader`` stores one state per worker) it returns the iteration's
   anchor plus the number of packs this worker yielded, which restores bitwise-exactly with the
-  same DP degree and worker count. The torchtitan loader (``torchtitan_ext.loaders.vl``) keeps its
+  same DP degree and worker count. ``vl.reader.VLReader`` (under the torchtitan loader) keeps its
   own global state in the main process, so it resumes exactly *and* elastically with workers.
 * **Lazy.** The cache is opened by path; ``VLCache.open`` reads and checks ``metadata.json`` and
   the file sizes, reading no token or pixel data (a damaged cache is an error here, naming the

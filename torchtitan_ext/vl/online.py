@@ -8,7 +8,7 @@ no difference. Costs what the seed measured for online packing: image decode + r
 
 Rows come from the builder's own source reader and layout (``vl.sources.open_source``: same
 files, layout and columns) and are processed by the builder's own per-row step
-(``vl.build.process_parsed``: same options, same skip reasons), in chunks of 256 rows; with ``shuffle`` epoch ``e`` visits the chunks in a
+(``vl.row_work.process_parsed``: same options, same skip reasons), in chunks of 256 rows; with ``shuffle`` epoch ``e`` visits the chunks in a
 random order and the rows of each chunk in a random order (seed ``seed + e``), so every chunk is
 read once per epoch. Sharding keeps the cache's guarantees without knowing the pack count in
 advance: every rank processes the *same* global row stream, packs it identically, and takes global packs in rounds of ``W``: rank ``r`` gets pack ``k`` of the
@@ -203,8 +203,8 @@ class OnlineVLDataset(IterableDataset):
     def _process(self, row_index: int) -> Any:
         """One row -> VLSample, or None with the skip counted under its reason (the builder's
         per-row step: the same options, the same reasons)."""
-        from torchtitan_ext.vl.build import process_parsed
         from torchtitan_ext.vl.processor import SampleError
+        from torchtitan_ext.vl.row_work import process_parsed
 
         try:
             return process_parsed(

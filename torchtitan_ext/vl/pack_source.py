@@ -1,5 +1,5 @@
 """Where a VL training job's packs come from: a cache that exists, a cache built now, or the online
-fallback. The torchtitan loader (``loaders/vl.py``) only maps its Config onto :func:`open_packs`.
+fallback. ``vl/reader.py`` (under the torchtitan loader) opens its packs with :func:`open_packs`.
 
 :func:`choose_cache` resolves the data source once:
 
@@ -12,7 +12,7 @@ fallback. The torchtitan loader (``loaders/vl.py``) only maps its Config onto :f
    preprocessing and packing inside the loader, with a loud warning that it is slow.
 
 The request is any object with the loader Config's attribute names (:class:`PackRequest`). Its
-attributes named like a :class:`~torchtitan_ext.vl.build.BuildConfig` field (``buckets``,
+attributes named like a :class:`~torchtitan_ext.vl.build_config.BuildConfig` field (``buckets``,
 ``model_path``, ``max_samples``, ``exif_transpose``, ``fingerprint``, ...) flow into the cache key
 by name, so a knob added to both is never re-listed here. A damaged cache is an error
 (``vl.cache.CacheError``), never a silent rebuild or fallback.
@@ -86,7 +86,7 @@ def dataset_arg(req: PackRequest) -> str | Path:
 def key_args(req: PackRequest, seq_len: int) -> dict[str, Any]:
     """``find_cache`` / ``build_cache`` arguments of a request: its BuildConfig-named
     attributes, by name."""
-    from torchtitan_ext.vl.build import OPTION_NAMES
+    from torchtitan_ext.vl.build_config import OPTION_NAMES
 
     options = {n: getattr(req, n) for n in OPTION_NAMES if n != "seq_len" and hasattr(req, n)}
     options.pop("buffer_size", None)

@@ -25,9 +25,7 @@ from dataclasses import fields
 
 
 def _parser() -> argparse.ArgumentParser:
-    from torchtitan_ext.vl.build import BuildConfig, default_num_workers
-    from torchtitan_ext.vl.layouts import COLUMN_ROLES, FORMATS
-    from torchtitan_ext.vl.sources import FINGERPRINTS
+    from torchtitan_ext.vl.build import BuildConfig
 
     d = {f.name: f.default for f in fields(BuildConfig)}
     p = argparse.ArgumentParser(
@@ -35,6 +33,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Preprocess a VL dataset (VQA rows or chat conversations) into a packed "
         "Qwen3-VL TensorDict memmap cache.",
     )
+    _source_args(p, d)
+    _cache_args(p, d)
+    _run_args(p)
+    return p
+
+
+def _source_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """Which rows, read how: the dataset, its split, its row layout and columns."""
+    from torchtitan_ext.vl.layouts import COLUMN_ROLES, FORMATS
+
     p.add_argument(
         "--dataset",
         required=True,
@@ -62,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         help="fit a sample longer than --seq-len by dropping whole trailing turns (cut after an "
         "assistant turn); default: skip it as too_long",
     )
+
+
+def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """The rest of the cache key (packing, processor, images, fingerprint) and where it goes."""
+    from torchtitan_ext.vl.sources import FINGERPRINTS
+
     p.add_argument("--seq-len", type=int, default=d["seq_len"], help="max tokens per pack")
     p.add_argument("--buffer-size", type=int, default=d["buffer_size"], help="best-fit buffer")
     p.add_argument(
@@ -95,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         help="'full': hash every byte of the source files for the cache key (remembered per file "
         "by size+mtime); 'quick': size + first/last MiB only (misses same-size edits mid-file)",
     )
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """How this build runs (not part of the key)."""
+    from torchtitan_ext.vl.build import default_num_workers
+
     p.add_argument("--force", action="store_true", help="rebuild even if the cache exists")
     p.add_argument(
         "--num-workers",
@@ -109,7 +129,6 @@ def _parser() -> argparse.ArgumentParser:
         help="fail on the first bad row (naming it) instead of counting a skip",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,16 +124,7 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     n_content = int(sum(lens))
     kind = _token_kinds(ids, labels, sp, n_content)
 
-    tok = None
-    if decode:
-        try:
-            from torchtitan_ext.vl.processor import load_processor
-
-            tok = load_processor(cache.metadata["config"].get("model_path")).tokenizer
-        except (OSError, ValueError):
-            tok = None  # no processor available here: render without text snippets
-    dec = None if tok is None else (lambda t: tok.decode(t, skip_special_tokens=False))
-
+    dec = _decoder(cache) if decode else None
     thumbs = _thumbnails(p["pixel_u8"].numpy(), grid, cache.image_params)
     per_sample = _images_per_sample(ids, lens, sp["image_pad_id"])
     owner = [(s, k) for s, n in enumerate(per_sample) for k in range(n)]
@@ -165,15 +156,7 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
         "patches",
         fill="black",
     )
-    x, y = margin, 30
-    for k, t in enumerate(thumbs):
-        if x + 128 > width:
-            x, y = margin, y + 140
-        canvas.paste(t, (x, y))
-        s, j = owner[k]
-        d.text((x, y + t.height + 2), f"s{s} #{j} {grid[k][1]}x{grid[k][2]}", fill="black")
-        x += 128
-    y += 140
+    y = _draw_thumbnails(canvas, d, thumbs, owner, grid, margin, 30) + 140
     a = 0
     for s, n in enumerate(lens):
         d.text(
@@ -184,36 +167,72 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
         )
         y += 14
         y = _strip(d, kind[a : a + n], ids[a : a + n], sp, margin, y, cell, per_line)
-        for t in turns[s]:
-            text = ""
-            if dec is not None:
-                body = [int(v) for v in ids[a + t.start : a + t.end] if v != sp["image_pad_id"]]
-                text = dec(body)
-                if t.role != "-":  # the turn's header is its role, shown in brackets
-                    text = text.split("\n", 1)[-1]
-                text = " ".join(text.split())
-            what = f"[{t.role}] loss {t.loss_tokens}" + (f", {t.images} img" if t.images else "")
-            d.text(
-                (margin + 8, y),
-                f"{what}  {text}"[:150],
-                fill=COLORS["target"] if t.loss_tokens else (90, 90, 90),
-            )
-            y += 13
+        y = _draw_turns(d, turns[s], ids[a : a + n], sp, dec, margin + 8, y)
         y += 14
         a += n
     if pad_lines:
         d.text((margin, y), f"padding: {L - n_content} tokens", fill="black")
         y += 14
         y = _strip(d, kind[n_content:], ids[n_content:], sp, margin, y, cell, per_line)
-    x = margin
-    for name, col in [*COLORS.items(), ("turn start", TURN_TICK)]:
-        d.rectangle([x, y, x + 12, y + 10], fill=col)
-        d.text((x + 16, y), name, fill="black")
-        x += 110
+    _draw_legend(d, margin, y)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(out)
     return out
+
+
+def _decoder(cache) -> Any:
+    """Token ids -> text with the cache's processor, or None when none is available here
+    (render without text snippets)."""
+    try:
+        from torchtitan_ext.vl.processor import load_processor
+
+        tok = load_processor(cache.metadata["config"].get("model_path")).tokenizer
+    except (OSError, ValueError):
+        return None
+    return lambda t: tok.decode(t, skip_special_tokens=False)
+
+
+def _draw_thumbnails(canvas, d, thumbs, owner, grid, x0: int, y: int) -> int:
+    """The pack's images in rows, each captioned ``s<sample> #<image> <h>x<w>``; returns the y
+    of the last row."""
+    x = x0
+    for k, t in enumerate(thumbs):
+        if x + 128 > canvas.width:
+            x, y = x0, y + 140
+        canvas.paste(t, (x, y))
+        s, j = owner[k]
+        d.text((x, y + t.height + 2), f"s{s} #{j} {grid[k][1]}x{grid[k][2]}", fill="black")
+        x += 128
+    return y
+
+
+def _draw_turns(d, turns, ids, sp, dec, x: int, y: int) -> int:
+    """One line per turn of a sample (``ids``: its tokens): role, loss tokens, images and the
+    decoded text; returns the y below them."""
+    for t in turns:
+        text = ""
+        if dec is not None:
+            body = [int(v) for v in ids[t.start : t.end] if v != sp["image_pad_id"]]
+            text = dec(body)
+            if t.role != "-":  # the turn's header is its role, shown in brackets
+                text = text.split("\n", 1)[-1]
+            text = " ".join(text.split())
+        what = f"[{t.role}] loss {t.loss_tokens}" + (f", {t.images} img" if t.images else "")
+        d.text(
+            (x, y),
+            f"{what}  {text}"[:150],
+            fill=COLORS["target"] if t.loss_tokens else (90, 90, 90),
+        )
+        y += 13
+    return y
+
+
+def _draw_legend(d, x: int, y: int) -> None:
+    for name, col in [*COLORS.items(), ("turn start", TURN_TICK)]:
+        d.rectangle([x, y, x + 12, y + 10], fill=col)
+        d.text((x + 16, y), name, fill="black")
+        x += 110
 
 
 def _strip(d, kind, ids, sp, x0: int, y: int, cell: int, per_line: int) -> int:

@@ -1,0 +1,95 @@
+"""What determines a VL cache's bytes: :class:`BuildConfig`, and :func:`config_from`, the one place
+``find_cache`` / ``build_cache`` arguments become one (so the two always compute the same key). The
+key itself (a hash of the config with the dataset, layout, label rule and processor fingerprints)
+is ``vl/build.py``'s ``cache_key``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from torchtitan_ext.vl.layouts import COLUMN_ROLES, Format
+from torchtitan_ext.vl.sources import DEFAULT_FINGERPRINT, Fingerprint
+
+DEFAULT_ROWS_PER_SHARD = 1024
+
+
+@dataclass
+class BuildConfig:
+    """Everything that determines the cache bytes (and so the key)."""
+
+    dataset: str
+    """Local Parquet file/dir/glob or hub dataset name."""
+    split: str = "train"
+    """Split (hub) or file-name filter (local: ``{split}-*.parquet`` / ``{split}/``; else all)."""
+    seq_len: int = 8192
+    """Maximum tokens per pack; longer samples are skipped (reason ``too_long``)."""
+    buffer_size: int = 64
+    """Best-fit buffer: candidates considered for each pack."""
+    buckets: list[int] | None = None
+    """Padded pack lengths (each <= seq_len); None = always pad to seq_len."""
+    max_samples: int | None = None
+    """Read at most this many input rows (reads = packed + skipped)."""
+    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD
+    """Input rows per shard: the unit of resume, scale-out and atomic write."""
+    model_path: str | None = None
+    """Qwen3-VL processor directory; None = the offline processor."""
+    max_image_pixels: int = 89_478_485
+    """Decoded images above this many pixels are skipped (PIL's decompression-bomb limit)."""
+    exif_transpose: bool = True
+    """Apply an image's EXIF orientation before anything else (what ``datasets``' ``Image``
+    feature and transformers' ``load_image`` do, so the model sees the photo upright); False
+    keeps the stored pixel order (what the HF image processor does with a PIL image as given)."""
+    fingerprint: Fingerprint = DEFAULT_FINGERPRINT
+    """How source files enter the key: ``"full"`` hashes every byte (cached per file by size and
+    mtime), ``"quick"`` only the size and the first and last MiB (``vl/sources.py``)."""
+    format: Format = "auto"
+    """Row layout (``vl/layouts.py``): ``"vqa"``, ``"messages"``, ``"llava"``, ``"cauldron"``, or
+    ``"auto"`` (detected from the column names). The resolved layout and its columns enter the
+    key, not this field, so ``auto`` and the layout it finds share a cache."""
+    image_column: str | None = None
+    """Column of the row's image(s) (every layout); None: detected."""
+    question_column: str | None = None
+    """``vqa``: the question column; None: detected."""
+    answer_column: str | None = None
+    """``vqa``: the answer column (a string or a list of answers); None: detected."""
+    messages_column: str | None = None
+    """``messages``: the chat column (``[{role, content}, ...]``); None: ``messages``."""
+    conversations_column: str | None = None
+    """``llava``: the conversation column (``[{from, value}, ...]``); None: ``conversations``."""
+    texts_column: str | None = None
+    """``cauldron``: the turns column (``[{user, assistant}, ...]``); None: ``texts``."""
+    truncate: bool = False
+    """A sample longer than ``seq_len`` drops whole trailing turns (and their images) until it
+    fits, cut after an assistant turn (the loss mask stays whole); False: it is ``too_long``."""
+
+
+LAYOUT_OPTIONS = ("format", *(f"{r}_column" for r in COLUMN_ROLES))
+"""BuildConfig fields that choose the layout; they enter the key as the resolved layout."""
+
+
+OPTION_NAMES = tuple(f.name for f in fields(BuildConfig) if f.name not in ("dataset", "split"))
+
+
+def config_from(
+    dataset: str | Path, split: str, seq_len: int, buffer_size: int, **options: Any
+) -> BuildConfig:
+    """The :class:`BuildConfig` of ``find_cache`` / ``build_cache`` arguments (one place, so the
+    two always compute the same key); ``options`` are further BuildConfig fields."""
+    from torchtitan_ext.vl.packing import normalize_buckets
+
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown cache option(s) {unknown}; known: {list(OPTION_NAMES)}")
+    cfg = BuildConfig(dataset=str(dataset), split=split, seq_len=int(seq_len),
+                      buffer_size=int(buffer_size), **options)  # fmt: skip
+    cfg.buckets = normalize_buckets(cfg.seq_len, cfg.buckets)
+    cfg.rows_per_shard = int(cfg.rows_per_shard)
+    cfg.model_path = None if cfg.model_path is None else str(cfg.model_path)
+    if cfg.buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1, got {cfg.buffer_size}")
+    if cfg.rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1, got {cfg.rows_per_shard}")
+    return cfg
