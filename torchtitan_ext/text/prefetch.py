@@ -55,7 +55,8 @@ Pipeline and its invariants:
   2-core machine, with no gain in tokens/s there). ``tokenizer_parallelism=True`` opts out.
 
 Layout: this module is the public loader and its state; :mod:`~torchtitan_ext.text.producer`
-holds the background producer, :mod:`~torchtitan_ext.text.handoff` the ready queue, and
+holds the background producer, :mod:`~torchtitan_ext.text.handoff` the ready queue,
+:mod:`~torchtitan_ext.text.packer_state` the checkpoint encoding of the packer, and
 :mod:`torchtitan_ext.threads` the shared error relay and bounded join. Measured (tokens per
 CPU-second against torchtitan's loader, data-wait share, ``next()`` p50/p99, slow storage, thread
 policies): ``python -m benchmarks text_loaders``, figures in ``benchmarks/RESULTS.md``. The
@@ -72,13 +73,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from torchtitan_ext.text.errors import OnBadInput, check_on_bad_input
 
 # re-exported: the hand-off is tested through this module
 from torchtitan_ext.text.handoff import _ReadyQueue as _ReadyQueue
+from torchtitan_ext.text.packer_state import decode_packer, encode_packer
 from torchtitan_ext.text.packing import PACKING_MODES, BestFitPacker, ConcatSplitPacker, make_packer
 from torchtitan_ext.text.parquet import ParquetSource
 from torchtitan_ext.text.priority import PRIORITY_MODES
@@ -89,17 +90,6 @@ from torchtitan_ext.threads import relay
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 3
-
-
-def _to_bytes(values: Any) -> bytes:
-    """int64 values as little-endian bytes (our checkpoint encoding of variable-length arrays)."""
-    return np.ascontiguousarray(values, dtype="<i8").tobytes()
-
-
-def _from_bytes(blob: bytes) -> np.ndarray:
-    if not isinstance(blob, (bytes, bytearray)) or len(blob) % 8:
-        raise ValueError(f"loader state: expected int64 bytes, got {type(blob).__name__}")
-    return np.frombuffer(blob, dtype="<i8").astype(np.int64)
 
 
 class PrefetchingParquetLoader:
@@ -366,43 +356,12 @@ class PrefetchingParquetLoader:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Pickle-free resume state as of the last batch returned: ints, and int64 arrays stored
-        as little-endian ``bytes`` (one blob per buffered document).
-
-        Why bytes rather than lists of ints or tensors: wrappers such as ``AsyncDeviceLoader``
-        take ``deepcopy(state_dict())`` after *every* batch. ``bytes`` are immutable, so that
-        copy shares them (a list of ~450k ints would cost ~30 ms under the GIL per batch), and
-        the per-document blobs are cached across batches: only the ~40 documents that entered
-        the buffer since the last call are serialised (~0.2 ms per call for 1000 buffered
-        documents). Tensors cannot be used because torch.distributed.checkpoint loads them in
-        place into a fresh loader's template, whose buffer has a different size."""
+        as little-endian ``bytes``, cheap to take and to deepcopy every batch, and surviving
+        torch.distributed.checkpoint (see :mod:`~torchtitan_ext.text.packer_state` for why)."""
         snap = self._snap.packer
-        if "keys" in snap:  # best-fit: per-document blobs, cached by insertion number
-            keys, docs, cache = snap["keys"], snap["docs"], self._doc_bytes
-            blobs: list[bytes] = []
-            fresh: dict[int, bytes] = {}
-            for _, seq in keys:
-                b = cache.get(seq)
-                if b is None:
-                    b = _to_bytes(docs[seq])
-                fresh[seq] = b
-                blobs.append(b)
-            self._doc_bytes = fresh
-            packer_state: dict[str, Any] = {
-                "kind": 0 if self.packing == "best_fit" else 1,
-                "row_len": self.seq_len + 1,
-                "next_seq": int(snap["next_seq"]),
-                "lengths": _to_bytes([k[0] for k in keys]),
-                "seqs": _to_bytes([k[1] for k in keys]),
-                "docs": blobs,
-            }
-        else:  # concat-split: a short buffer, serialised whole
-            ps = self.packer.state_from_snapshot(snap)
-            packer_state = {
-                "kind": 2,
-                "row_len": self.seq_len + 1,
-                "lengths": _to_bytes(ps["lengths"]),
-                "tokens": _to_bytes(ps["tokens"]),
-            }
+        packer_state, self._doc_bytes = encode_packer(
+            snap, self.packer, self.packing, self._doc_bytes
+        )
         return {
             "version": STATE_VERSION,
             "cursor": list(self._snap.cursor),
@@ -433,20 +392,7 @@ class PrefetchingParquetLoader:
                     "a resumed data stream cannot change it"
                 )
         self._stop_producer()  # restarted lazily from the restored snapshot
-        ps = state["packer"]
-        packer_state: dict[str, Any] = {
-            "kind": int(ps["kind"]),
-            "row_len": int(ps["row_len"]),
-            "lengths": _from_bytes(ps["lengths"]),
-            "counters": state["packer_counters"],
-        }
-        if "docs" in ps:
-            packer_state["next_seq"] = int(ps["next_seq"])
-            packer_state["seqs"] = _from_bytes(ps["seqs"])
-            docs = [_from_bytes(b) for b in ps["docs"]]
-            packer_state["tokens"] = np.concatenate(docs) if docs else np.zeros(0, np.int64)
-        else:
-            packer_state["tokens"] = _from_bytes(ps["tokens"])
+        packer_state = decode_packer(state["packer"], state["packer_counters"])
         packer = self._new_packer()
         packer.load_state_dict(packer_state)  # validates kind / row length / sizes
         self._snap = _Snapshot(
