@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 import regex
@@ -364,6 +365,23 @@ def test_dead_worker_is_reported(tmp_path, monkeypatch):
     p.write_text(("some text " * 2000 + EOT) * 20, encoding="utf-8")
     with pytest.raises(RuntimeError, match=r"worker died \(exit code 3\)"):
         count_file_pretokens(p, [EOT], 2, chunk_bytes=4096, mp_context="fork")
+
+
+def _bounds_then_fail(mm, special_tokens, chunk_bytes):
+    yield 0, 10
+    raise OSError("the disk went away")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs the fork start method")
+def test_reader_thread_error_is_reraised_with_its_traceback(tmp_path, monkeypatch):
+    monkeypatch.setattr(bpe, "iter_chunk_bounds", _bounds_then_fail)
+    p = tmp_path / "x.txt"
+    p.write_text(("some text " * 200 + EOT) * 4, encoding="utf-8")
+    with pytest.raises(OSError, match="the disk went away") as ei:
+        count_file_pretokens(p, [EOT], 2, chunk_bytes=4096, mp_context="fork")
+    frames = [f.name for f in traceback.extract_tb(ei.value.__traceback__)]
+    assert "_bounds_then_fail" in frames and "feed" in frames  # the reader thread's frames
+    assert any("'bpe-reader'" in n for n in ei.value.__notes__)
 
 
 def test_argument_errors(tmp_path):

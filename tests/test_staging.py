@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import logging
 import subprocess
 import sys
 import textwrap
@@ -343,6 +344,39 @@ def test_copy_thread_exception_reraised():
         next(iter(w))
     assert any("copy of batch #0" in n for n in ei.value.__notes__)
     w.close()
+
+
+def test_close_reports_a_fetch_thread_stuck_in_the_wrapped_loader(monkeypatch, caplog):
+    """A wrapped loader whose next() never returns: close() gives up after its join timeout,
+    logs the fetch thread with where it is blocked, and keeps the iterator it still uses."""
+    from torchtitan_ext.device import pipeline
+
+    release = threading.Event()
+
+    def hangs():
+        yield {"input": torch.zeros(2)}
+        release.wait()  # the second next() blocks here
+        yield {"input": torch.ones(2)}
+
+    monkeypatch.setattr(pipeline, "_JOIN_TIMEOUT_S", 0.3)
+    gen = hangs()
+    w = AsyncDeviceLoader(gen, "cpu", snapshot_state=False)
+    next(w)
+    time.sleep(0.1)
+    pipe = w._pipe
+    try:
+        with caplog.at_level(logging.ERROR, logger="torchtitan_ext.device.staging"):
+            t0 = time.monotonic()
+            w.close()
+            assert time.monotonic() - t0 < 2
+        msg = "\n".join(r.getMessage() for r in caplog.records)
+        assert "'AsyncDeviceLoader-fetch' did not stop within 0.3 s" in msg
+        assert "in hangs" in msg  # where it is blocked
+        assert [t.name for t in pipe.alive_threads()] == ["AsyncDeviceLoader-fetch"]
+        assert pipe.it is gen  # still in use by that thread: not released
+    finally:
+        release.set()
+    _wait_until(lambda: not pipe.alive_threads())
 
 
 def test_no_threads_left_after_break_gc_and_context_manager():

@@ -54,357 +54,42 @@ Pipeline and its invariants:
   from a step, then waits for a time slice (measured: p99 ``next()`` 8-17 ms instead of <1 ms on a
   2-core machine, with no gain in tokens/s there). ``tokenizer_parallelism=True`` opts out.
 
-Measured (``python -m benchmarks text_loaders``; shared 2-core VM, GPT-2 tokenizer, 40 MB
-long-tailed corpus, B=8, T=2048; ranges over three full runs):
-
-* Tokens per CPU-second: 3.67-3.71 M, vs torchtitan 0.3.0's ``HuggingFaceTextDataLoader``
-  0.94-1.0 M (3.70-3.89x); with the ``tokenizers`` engine 1.33-1.42 M (the engine, not the
-  thread, buys tokens per core: the thread buys overlap).
-* Data-wait with a consumer at 50 % of capacity (GC handled as torchtitan's trainer does): wait
-  share 0.06-0.13 % (synchronous loader ~40 %, torchtitan 26-37 %, torchtitan with one worker
-  process 1.8-2.8 %), ``next()`` p50 3-8 us, p99 16-43 us; the training loop loses no measurable
-  time outside ``next()``. With 50 ms per row-group read (slow storage, hidden by read-ahead):
-  0.05-0.13 %, p99 11-34 us. At the normal thread policy (no ``CAP_SYS_NICE``): 0.06-0.34 %,
-  p99 0.015-0.13 ms, and the loop loses 0.5-0.9 % of its time outside ``next()``.
+Layout: this module is the public loader and its state; :mod:`~torchtitan_ext.text.producer`
+holds the background producer, :mod:`~torchtitan_ext.text.handoff` the ready queue,
+:mod:`~torchtitan_ext.text.packer_state` the checkpoint encoding of the packer, and
+:mod:`torchtitan_ext.threads` the shared error relay and bounded join. Measured (tokens per
+CPU-second against torchtitan's loader, data-wait share, ``next()`` p50/p99, slow storage, thread
+policies): ``python -m benchmarks text_loaders``, figures in ``benchmarks/RESULTS.md``. The
+tokenizer engine, not the thread, buys tokens per core; the thread buys overlap.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
-import sys
-import threading
 import time
-import traceback
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from torchtitan_ext.constants import IGNORE_INDEX
-from torchtitan_ext.text.errors import OnBadInput, SkipLog, check_on_bad_input
+from torchtitan_ext.text.errors import OnBadInput, check_on_bad_input
+
+# re-exported: the hand-off is tested through this module
+from torchtitan_ext.text.handoff import _ReadyQueue as _ReadyQueue
+from torchtitan_ext.text.packer_state import decode_packer, encode_packer
 from torchtitan_ext.text.packing import PACKING_MODES, BestFitPacker, ConcatSplitPacker, make_packer
 from torchtitan_ext.text.parquet import ParquetSource
-from torchtitan_ext.text.priority import PRIORITY_MODES, ThreadGroupPriority
+from torchtitan_ext.text.priority import PRIORITY_MODES
+from torchtitan_ext.text.producer import _End, _Failure, _Producer, _shutdown, _Snapshot
 from torchtitan_ext.text.tokenize import TextTokenizer
+from torchtitan_ext.threads import relay
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 3
-# Releases the GIL and offers the CPU (no-op where the OS has no sched_yield); see _Producer._feed.
-_yield_cpu = getattr(os, "sched_yield", lambda: None)
-
-
-def _to_bytes(values: Any) -> bytes:
-    """int64 values as little-endian bytes (our checkpoint encoding of variable-length arrays)."""
-    return np.ascontiguousarray(values, dtype="<i8").tobytes()
-
-
-def _from_bytes(blob: bytes) -> np.ndarray:
-    if not isinstance(blob, (bytes, bytearray)) or len(blob) % 8:
-        raise ValueError(f"loader state: expected int64 bytes, got {type(blob).__name__}")
-    return np.frombuffer(blob, dtype="<i8").astype(np.int64)
-
-
-@dataclass
-class _Snapshot:
-    """Producer state right after one batch (immutable once queued)."""
-
-    cursor: tuple[int, int, int]
-    packer: dict[str, Any]
-    counters: dict[str, int]
-    skips: dict[str, int]
-
-
-@dataclass
-class _Batch:
-    inputs: dict[str, torch.Tensor]  # "input", "positions": [B, T]
-    labels: torch.Tensor  # [B, T]
-    snap: _Snapshot
-
-
-def _to_batch(
-    tokens: np.ndarray, positions: np.ndarray, valid: list[int]
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """[B, T+1] packed rows -> torchtitan's (inputs, labels), contiguous int64 tensors."""
-    R = tokens.shape[1]
-    labels = tokens[:, 1:].copy()
-    for i, v in enumerate(valid):
-        if v < R:
-            # label j predicts token j+1, which is padding once j+1 >= valid
-            labels[i, max(v - 1, 0) :] = IGNORE_INDEX
-    inputs = {
-        "input": torch.from_numpy(tokens[:, :-1].copy()),
-        "positions": torch.from_numpy(positions[:, :-1].copy()),
-    }
-    return inputs, torch.from_numpy(labels)
-
-
-class _ReadyQueue:
-    """Bounded single-producer / single-consumer hand-off whose ``get`` never wakes the producer.
-
-    Why not ``queue.Queue``: its ``get`` notifies a producer blocked on a full queue, so the
-    training loop itself wakes the background thread, from inside ``next()``. Traced with
-    ``perf sched`` on a 2-vCPU VM: the woken producer soon holds the GIL, the training thread
-    blocks on it, and when the producer drops it (entering Rust) the kernel queues the training
-    thread on the *producer's* CPU while the other CPU idles: runnable-but-waiting stalls of
-    2-5 ms a few times per 100 steps, plus ~20-60 us per ``get`` for the cross-CPU wake-up.
-
-    Here ``get`` is a ``deque`` pop (atomic under the GIL) and blocks, on a condition that the
-    producer signals, only when the queue is empty. A producer that finds the queue full sleeps
-    on its own timer, for about the time the consumer needs (at its measured rate) to bring the
-    queue down to ``low`` batches, then refills it in one burst: few wake-ups, none of them
-    caused by the training loop.
-    """
-
-    # Longest single producer sleep: bounds how stale the rate estimate can get and how long a
-    # stop can go unnoticed (a stop also ends the sleep at once).
-    MAX_SLEEP_S = 0.05
-
-    def __init__(self, maxsize: int, priority: ThreadGroupPriority) -> None:
-        self.maxsize = maxsize
-        self.low = maxsize // 2  # refill once this many (or fewer) remain
-        # Below the refill point on purpose: reaching `low` is the normal cycle; falling well
-        # under it means the producer is not keeping up at idle priority.
-        self.promote_at = self.low // 2
-        # Adaptive policy of the producer's threads (see torchtitan_ext.text.priority): idle once
-        # the queue is full, normal again as soon as get() finds it below the low watermark.
-        self.priority = priority
-        self._items: collections.deque = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
-        self._last_get: float | None = None
-        self._interval: float | None = None  # EMA of the seconds between two gets
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def get(self, timeout: float) -> Any:
-        """Next item; ``queue.Empty`` if none arrived within ``timeout`` seconds."""
-        now = time.perf_counter()
-        if self._last_get is not None:
-            dt = now - self._last_get
-            self._interval = dt if self._interval is None else 0.8 * self._interval + 0.2 * dt
-        self._last_get = now
-        if self.priority.idle and len(self._items) <= self.promote_at:
-            self.priority.set_idle(False)  # falling behind: the producer needs a full share of CPU
-        try:
-            return self._items.popleft()
-        except IndexError:
-            pass  # empty: wait for the producer's signal below
-        with self._cond:
-            while not self._items:
-                if not self._cond.wait(timeout):
-                    raise queue.Empty
-            return self._items.popleft()
-
-    def put(self, item: Any, stop: threading.Event) -> bool:
-        """Append ``item`` (False, without appending, once ``stop`` is set)."""
-        if len(self._items) >= self.maxsize:
-            while (excess := len(self._items) - self.low) > 0:
-                # Half the expected drain time, then look again: the rate may have changed.
-                est = 0.5 * excess * self._interval if self._interval else 0.001
-                if stop.wait(min(max(est, 0.0005), self.MAX_SLEEP_S)):
-                    return False
-        if stop.is_set():
-            return False
-        self._items.append(item)
-        with self._cond:
-            self._cond.notify()
-        if len(self._items) >= self.maxsize and not self.priority.idle:
-            self.priority.set_idle(True)  # ahead: run only on CPU time nobody else wants
-        return True
-
-    def clear(self) -> None:
-        self._items.clear()
-
-
-@dataclass
-class _End:
-    """The (finite) source is exhausted and every row has been emitted. ``snap``: the state at
-    the end of the pass, which counts the rows read (and skipped) after the last batch."""
-
-    snap: _Snapshot
-
-
-@dataclass
-class _Failure:
-    exc: BaseException
-    snap: _Snapshot | None = None
-    """The state when the error was raised, where it is one a batch boundary could have had
-    (between chunks, no row of the next batch taken): its counts include the rows read up to
-    the error. None otherwise."""
-
-
-class _Producer:
-    """Owns the thread, stop event, queue and (while running) the packer. Holds no reference to
-    the loader, so the loader can be garbage-collected, which runs its finalizer, which stops us."""
-
-    def __init__(
-        self,
-        source: ParquetSource,
-        tokenizer: TextTokenizer,
-        packer: BestFitPacker | ConcatSplitPacker,
-        snap: _Snapshot,
-        batch_size: int,
-        queue_size: int,
-        add_eos: bool,
-        name: str,
-        thread_priority: str = "adaptive",
-    ) -> None:
-        self.source = source
-        self.tokenizer = tokenizer
-        self.packer = packer
-        self.cursor = snap.cursor
-        self.counters = dict(snap.counters)
-        self.skips = SkipLog()
-        self.skips.load_state_dict({"counts": snap.skips, "examples": {}})
-        self.batch_size = batch_size
-        self.add_eos = add_eos
-        self.priority = ThreadGroupPriority(thread_priority)
-        self.q = _ReadyQueue(queue_size, self.priority)
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.busy_s = 0.0  # time spent reading + tokenizing + packing (for get_stats)
-        self._ended = False  # the (finite) source is exhausted
-        self._between_batches = False
-        # Snapshots the consumer has moved past. Freeing one (a list and a dict of ~buffer_docs
-        # entries) took ~35 us of the training loop's next(); appended here instead, they are
-        # freed by this thread.
-        self.retired: collections.deque = collections.deque()
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _put(self, item: Any) -> bool:
-        # Returns False once stop() was called, even when the consumer has gone away and nobody
-        # will ever make room in the queue.
-        return self.q.put(item, self.stop_event)
-
-    def _feed(self, chunk: Any) -> None:
-        if chunk.texts:
-            # Before each Rust call: a training thread that woke up while we held the GIL, and
-            # that the kernel queued on *our* CPU when we let go of it, runs now rather than
-            # after our time slice (up to a 4 ms tick). Measured at the normal thread policy on
-            # 2 cores: worst next() 0.1-1.1 ms instead of 2-4.4 ms, and the loop's time lost
-            # outside next() 0.7 % instead of 1.3-2.4 %, at the same tokens/s.
-            _yield_cpu()
-            encoded = self.tokenizer.encode_arrays(chunk.texts, add_bos=True, add_eos=self.add_eos)
-            add = self.packer.add
-            ntok = 0
-            for arr in encoded:
-                ntok += arr.size
-                add(arr)
-            self.counters["docs_read"] += len(encoded)
-            self.counters["tokens_read"] += ntok
-        self.counters["rows_read"] += chunk.rows_read
-        for reason, loc, n in chunk.skips:
-            self.skips.skip(reason, loc, n)
-        self.cursor = chunk.cursor_after
-
-    def _snapshot(self) -> _Snapshot:
-        return _Snapshot(
-            self.cursor, self.packer.snapshot(), dict(self.counters), self.skips.as_dict()
-        )
-
-    def _run(self) -> None:
-        self.priority.join_current_thread()
-        chunks = self.source.iter_chunks(
-            self.cursor, thread_init=self.priority.join_current_thread, stop=self.stop_event
-        )
-        self._between_batches = False  # see _Failure.snap
-        try:
-            B, R = self.batch_size, self.packer.row_len
-            while not self.stop_event.is_set():
-                self.retired.clear()
-                t0 = time.perf_counter()
-                tokens = np.empty((B, R), dtype=np.int64)
-                positions = np.empty((B, R), dtype=np.int64)
-                valid = [R] * B
-                n = self._fill(chunks, tokens, positions, valid)
-                if n is None:  # stopped
-                    return
-                if n == 0:
-                    self._put(_End(self._snapshot()))
-                    return
-                if n < B:
-                    # End of a finite pass: the missing rows are all padding (labels ignored),
-                    # so batch shapes never change (torch.compile, fixed-shape buffers).
-                    tokens[n:] = self.packer.pad_id
-                    positions[n:] = 0
-                    valid[n:] = [0] * (B - n)
-                self.counters["batches"] += 1
-                snap = self._snapshot()
-                self.busy_s += time.perf_counter() - t0
-                # Tensors are built here too: the consumer's next() is just a queue get.
-                inputs, labels = _to_batch(tokens, positions, valid)
-                if not self._put(_Batch(inputs, labels, snap)):
-                    return
-        except BaseException as e:  # noqa: BLE001 - relayed to the consumer, which re-raises it
-            self._put(_Failure(e, self._snapshot() if self._between_batches else None))
-        finally:
-            # Closing the generator now stops its read-ahead thread even while the relayed
-            # exception (whose traceback references this frame) is still alive.
-            chunks.close()
-            self.priority.leave_current_thread()
-            self.priority.close()
-
-    def _fill(
-        self, chunks: Iterator[Any], tokens: np.ndarray, positions: np.ndarray, valid: list[int]
-    ) -> int | None:
-        """Pack rows into ``tokens``/``positions`` (reading and feeding chunks as needed); the
-        number of rows filled (fewer than the batch only at the end of a finite pass), or None
-        once stopped."""
-        packer, n = self.packer, 0
-        while n < len(valid):
-            if packer.ready() or (self._ended and packer.has_pending()):
-                valid[n] = packer.pop_row_into(tokens[n], positions[n], final=self._ended)
-                n += 1
-            elif self._ended:
-                break
-            else:
-                self._between_batches = n == 0
-                chunk = next(chunks, None)
-                self._between_batches = False
-                if self.stop_event.is_set():
-                    return None  # the source ended because of the stop, not the data
-                if chunk is None:
-                    self._ended = True
-                else:
-                    self._feed(chunk)
-        return n
-
-    def stop(self, timeout: float = 10.0) -> bool:
-        """Stop the thread (and, through the source, its read-ahead threads); True once it has
-        ended. A thread still alive after ``timeout`` is logged with where it is blocked (a
-        read that never returns cannot be interrupted from Python) and False is returned."""
-        self.stop_event.set()  # also ends a producer's sleep on a full queue
-        self.q.clear()
-        if threading.current_thread() is self.thread or not self.thread.is_alive():
-            return True
-        self.thread.join(timeout)
-        if not self.thread.is_alive():
-            return True
-        frame = sys._current_frames().get(self.thread.ident or -1)
-        stack = "".join(traceback.format_stack(frame)[-4:]) if frame is not None else "?"
-        logger.error(
-            "prefetch thread %r did not stop within %.0f s (it and its Parquet read-ahead "
-            "threads keep running as daemons); it is blocked at:\n%s",
-            self.thread.name,
-            timeout,
-            stack,
-        )
-        return False
-
-
-def _shutdown(producer_ref: list[_Producer | None], timeout: float = 10.0) -> bool:
-    p = producer_ref[0]
-    producer_ref[0] = None
-    return p.stop(timeout) if p is not None else True
 
 
 class PrefetchingParquetLoader:
@@ -607,11 +292,9 @@ class PrefetchingParquetLoader:
             self._stop_producer()
             if item.snap is not None:  # the counts include the rows read up to the error
                 self._snap = item.snap
-            exc.add_note(
-                f"(raised in the background thread {p.thread.name!r}; re-raised by "
-                f"PrefetchingParquetLoader.__next__)"
+            raise relay(
+                exc, f"the background thread {p.thread.name!r}", "PrefetchingParquetLoader.__next__"
             )
-            raise exc
         if isinstance(item, _End):
             self._done = True
             self._stop_producer()
@@ -673,43 +356,12 @@ class PrefetchingParquetLoader:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Pickle-free resume state as of the last batch returned: ints, and int64 arrays stored
-        as little-endian ``bytes`` (one blob per buffered document).
-
-        Why bytes rather than lists of ints or tensors: wrappers such as ``AsyncDeviceLoader``
-        take ``deepcopy(state_dict())`` after *every* batch. ``bytes`` are immutable, so that
-        copy shares them (a list of ~450k ints would cost ~30 ms under the GIL per batch), and
-        the per-document blobs are cached across batches: only the ~40 documents that entered
-        the buffer since the last call are serialised (~0.2 ms per call for 1000 buffered
-        documents). Tensors cannot be used because torch.distributed.checkpoint loads them in
-        place into a fresh loader's template, whose buffer has a different size."""
+        as little-endian ``bytes``, cheap to take and to deepcopy every batch, and surviving
+        torch.distributed.checkpoint (see :mod:`~torchtitan_ext.text.packer_state` for why)."""
         snap = self._snap.packer
-        if "keys" in snap:  # best-fit: per-document blobs, cached by insertion number
-            keys, docs, cache = snap["keys"], snap["docs"], self._doc_bytes
-            blobs: list[bytes] = []
-            fresh: dict[int, bytes] = {}
-            for _, seq in keys:
-                b = cache.get(seq)
-                if b is None:
-                    b = _to_bytes(docs[seq])
-                fresh[seq] = b
-                blobs.append(b)
-            self._doc_bytes = fresh
-            packer_state: dict[str, Any] = {
-                "kind": 0 if self.packing == "best_fit" else 1,
-                "row_len": self.seq_len + 1,
-                "next_seq": int(snap["next_seq"]),
-                "lengths": _to_bytes([k[0] for k in keys]),
-                "seqs": _to_bytes([k[1] for k in keys]),
-                "docs": blobs,
-            }
-        else:  # concat-split: a short buffer, serialised whole
-            ps = self.packer.state_from_snapshot(snap)
-            packer_state = {
-                "kind": 2,
-                "row_len": self.seq_len + 1,
-                "lengths": _to_bytes(ps["lengths"]),
-                "tokens": _to_bytes(ps["tokens"]),
-            }
+        packer_state, self._doc_bytes = encode_packer(
+            snap, self.packer, self.packing, self._doc_bytes
+        )
         return {
             "version": STATE_VERSION,
             "cursor": list(self._snap.cursor),
@@ -740,20 +392,7 @@ class PrefetchingParquetLoader:
                     "a resumed data stream cannot change it"
                 )
         self._stop_producer()  # restarted lazily from the restored snapshot
-        ps = state["packer"]
-        packer_state: dict[str, Any] = {
-            "kind": int(ps["kind"]),
-            "row_len": int(ps["row_len"]),
-            "lengths": _from_bytes(ps["lengths"]),
-            "counters": state["packer_counters"],
-        }
-        if "docs" in ps:
-            packer_state["next_seq"] = int(ps["next_seq"])
-            packer_state["seqs"] = _from_bytes(ps["seqs"])
-            docs = [_from_bytes(b) for b in ps["docs"]]
-            packer_state["tokens"] = np.concatenate(docs) if docs else np.zeros(0, np.int64)
-        else:
-            packer_state["tokens"] = _from_bytes(ps["tokens"])
+        packer_state = decode_packer(state["packer"], state["packer_counters"])
         packer = self._new_packer()
         packer.load_state_dict(packer_state)  # validates kind / row length / sizes
         self._snap = _Snapshot(

@@ -55,7 +55,6 @@ import mmap
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import queue
 import re
 import threading
 import time
@@ -64,6 +63,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import regex
+
+from torchtitan_ext import threads
 
 __all__ = [
     "GPT2_PATTERN",
@@ -392,13 +393,7 @@ def count_file_pretokens(
 
     def put(item) -> bool:
         # a bounded put that gives up when the main thread stops (a worker died or failed)
-        while not stop.is_set():
-            try:
-                tasks.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return threads.put(tasks, item, stop, poll_s=0.2)
 
     def feed() -> None:
         try:
@@ -446,7 +441,9 @@ def count_file_pretokens(
                 cpu.append(cpu_s)
         feeder.join()
         if feed_error:
-            raise feed_error[0]
+            raise threads.relay(
+                feed_error[0], f"the thread {feeder.name!r}", "count_file_pretokens"
+            )
         stats.extra["worker_cpu_s_sum"] = sum(cpu)
         stats.extra["worker_cpu_s_max"] = max(cpu)
         ok = True
