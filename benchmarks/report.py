@@ -132,9 +132,10 @@ def _history() -> str:
     )
 
 
-def render(docs: dict[str, dict[str, Any]], quick: bool = False) -> str:
-    """The whole RESULTS.md text for these cases' JSON documents (name -> document)."""
-    notes = sorted({d["note"] for d in docs.values() if d.get("note")})
+def render(docs: dict[str, dict[str, Any] | str], quick: bool = False) -> str:
+    """The whole RESULTS.md text for these cases (name -> its JSON document, or a section's text
+    carried over verbatim from the previous file, which names its own machine and date)."""
+    notes = sorted({d["note"] for d in docs.values() if isinstance(d, dict) and d.get("note")})
     head = [
         "# Measured results",
         "",
@@ -152,7 +153,7 @@ def render(docs: dict[str, dict[str, Any]], quick: bool = False) -> str:
     for n in notes:
         head += [f"**Note:** {n}", ""]
     head += [HOW_TO_READ, "Cases: " + ", ".join(f"[{n}](#{n})" for n in docs) + ".", ""]
-    body = [render_case(n, d) for n, d in docs.items()]
+    body = [d if isinstance(d, str) else render_case(n, d) for n, d in docs.items()]
     missing = "\n".join(body) if body else "No case has results yet.\n"
     return "\n".join(head) + "\n" + missing + "\n" + _history()
 
@@ -167,8 +168,33 @@ def load_docs(out_dir: str | Path, cases: list[str], quick: bool) -> dict[str, d
     return docs
 
 
+def case_sections(text: str, cases: list[str]) -> dict[str, str]:
+    """The generated ``## <case>`` sections of a RESULTS.md text (up to ``## History``)."""
+    out: dict[str, str] = {}
+    name: str | None = None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            title = line[3:].strip()
+            if title == "History":
+                break
+            name = title if title in cases else None
+            if name:
+                out[name] = ""
+        if name:
+            out[name] += line
+    return {n: t.rstrip("\n") + "\n" for n, t in out.items()}
+
+
 def write_results(path: str | Path, out_dir: str | Path, cases: list[str], quick: bool) -> Path:
-    text = render(load_docs(out_dir, cases, quick), quick=quick)
+    """Render ``path`` from the JSON files in ``out_dir``. A case with no JSON there keeps its
+    section of the existing ``path`` (JSON files are local, not committed, so a run of some cases
+    must not drop the others' tables); the case order stays ``cases``'."""
     p = Path(path)
+    docs = load_docs(out_dir, cases, quick)
+    old = case_sections(p.read_text(encoding="utf-8"), cases) if p.exists() and not quick else {}
+    merged: dict[str, dict[str, Any] | str] = {
+        n: docs.get(n) or old[n] for n in cases if n in docs or n in old
+    }
+    text = render(merged, quick=quick)
     p.write_text(text, encoding="utf-8")
     return p

@@ -166,6 +166,29 @@ def test_render_appends_the_history_one_level_down():
         assert f"\n#{h}\n" in text and f"\n{h}\n" not in text
 
 
+def test_rerunning_some_cases_keeps_the_other_sections_verbatim(tmp_path):
+    """The JSON files are local (not committed): regenerating RESULTS.md after running only some
+    cases keeps every other case's section as it was, in the cases' order."""
+    from benchmarks.report import write_results
+
+    row = Row("ours", 1.0, "ms", samples=[1.0, 1.0])
+    res, out = tmp_path / "RESULTS.md", tmp_path / "json"
+    out.mkdir()
+    for name in ("alpha", "beta"):
+        (out / f"{name}.json").write_text(json.dumps(_doc([row], time=f"2026-01-0{len(name)}")))
+    write_results(res, out, ["alpha", "beta", "gamma"], quick=False)
+    first = res.read_text()
+    beta_before = first[first.index("## beta") : first.index("## History")]
+    (out / "beta.json").unlink()
+    (out / "alpha.json").write_text(json.dumps(_doc([row], time="2026-02-02T00:00:00Z")))
+    write_results(res, out, ["alpha", "beta", "gamma"], quick=False)
+    text = res.read_text()
+    assert "2026-02-02T00:00:00Z" in text  # alpha re-rendered
+    assert beta_before in text  # beta carried over verbatim
+    assert text.index("## alpha") < text.index("## beta") < text.index("## History")
+    assert "[alpha](#alpha), [beta](#beta)." in text and "gamma" not in text
+
+
 def test_results_generator_quick_on_a_tiny_subset(tmp_path, capsys):
     out, res = tmp_path / "json", tmp_path / "RESULTS.md"
     argv = ["--results", "--quick", "--repeats", "1", "--warmup", "0", "--out-dir", str(out),
