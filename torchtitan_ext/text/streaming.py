@@ -57,113 +57,65 @@ keep the ranks disjoint (other releases were reported to hand every rank everyth
 unshuffled resume via its ``state_dict`` is correct; a shuffled stream's ``state_dict`` does
 **not** restore the shuffle buffer ("The shuffle buffer will be refilled"), so its batches after
 a resume differ from the uninterrupted run — the reason we own the shuffle.
+Where the code is: this module holds the dataset (arguments, position and state, tokenizing and
+packing); :mod:`~torchtitan_ext.text.stream_window` the window / slot / block-shuffle arithmetic
+as pure functions; :mod:`~torchtitan_ext.text.stream_source` locating and reading the files.
 
-Measured cost (``python -m benchmarks streaming``; 2-core shared box, 40 MB long-tailed Parquet
-corpus, GPT-2 tokenizer, seq_len 2048, batch 8, one process, medians of 5): **8.3e5 tokens per
-CPU-second vs 4.5e5 for torchtitan 0.3.0's HuggingFaceTextDataLoader (1.85x)** over the same
-files and tokenizer; ~90 % of our time is ``encode_batch_fast`` (batches of 32 documents), the
-rest is packing and bookkeeping. The block shuffle costs nothing measurable (shuffle off: 7.3e5,
-within noise). Resume: re-reading rows without tokenizing runs at ~1.2e5 rows/s (40 MB of
-Parquet in 0.13 s), so a resume costs at most one slot-epoch of reading (first batch after a
-resume 60 batches in: ~0.38 s, mostly opening the dataset and tokenizing the first block). On a
-hub-scale stream the re-read is bounded by the position inside the current shard-epoch of the
-slot, read over the network; give such sources many shards.
+Cost: measured by ``python -m benchmarks streaming`` (tokens per CPU-second against torchtitan
+0.3.0's ``HuggingFaceTextDataLoader`` over the same files and tokenizer, shuffle off, the first
+batch after a resume); the figures are in ``benchmarks/RESULTS.md`` (section *streaming*). Most
+of our time is the tokenizer's ``encode_batch_fast`` (batches of ``encode_batch`` documents), the
+rest packing and bookkeeping (about 90 % / 10 %, profiled on the 2-core development box with the
+benchmark's 40 MB corpus). A resume re-reads rows without tokenizing them, so it costs at most
+one slot-epoch of reading; on a hub-scale stream the re-read is bounded by the position inside
+the current shard-epoch of the slot, read over the network: give such sources many shards.
 """
 
 from __future__ import annotations
 
-import glob as _glob
 import logging
-import os
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from torchtitan_ext.text.columns import EMPTY, Rejected, as_text, text_kind
+from torchtitan_ext.text.columns import EMPTY, Rejected, as_text
 from torchtitan_ext.text.errors import (
     BadInputError,
     NoUsableDocuments,
     SkipLog,
     check_on_bad_input,
 )
-from torchtitan_ext.text.packing import ConcatSplitPacker, row_to_example
+from torchtitan_ext.text.packing import ConcatSplitPacker
+from torchtitan_ext.text.stream_rows import (
+    Sample,
+    make_sample,
+    packer_from_json,
+    packer_to_json,
+    take_doc_ids,
+)
+from torchtitan_ext.text.stream_source import MISSING, StreamSource, resolve_local_files
+from torchtitan_ext.text.stream_window import Piece, global_slot, worker_quota
 from torchtitan_ext.text.tokenize import TextTokenizer
+
+__all__ = [
+    "STATE_VERSION",
+    "DocumentLimitReached",
+    "Piece",
+    "StreamingTextDataset",
+    "resolve_local_files",
+]
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-_EXT_BUILDER = {
-    ".parquet": "parquet",
-    ".jsonl": "json",
-    ".json": "json",
-    ".txt": "text",
-    ".text": "text",
-}
-_READ_BATCH = 256  # rows per datasets batch read
-_MISSING = object()  # the text column is absent from a record
-_SHARD_BITS = 40  # doc id without row counts: shard << 40 | row (row < 1.1e12)
 
 
 class DocumentLimitReached(RuntimeError):
     """An infinite stream reached the end of its ``max_documents`` window. Replaying the window
     would be the ``take(N)`` repetition bug, so the stream stops loudly instead."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``[lo, hi)`` of source shard ``shard`` (``hi=None``: to the end of the shard)."""
-
-    shard: int
-    lo: int
-    hi: int | None
-
-
-def resolve_local_files(
-    path: str | Sequence[str], split: str = "train"
-) -> tuple[str, list[str]] | None:
-    """``(builder, files)`` for a local file / directory / glob (or list of them), or ``None`` if
-    ``path`` is not local (then it is treated as a Hugging Face hub dataset id). A directory
-    whose files follow the Hugging Face split naming (``train-*.parquet``, ``val-*``, or a
-    ``train/`` folder) contributes only the files of ``split``."""
-    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    files: list[str] = []
-    for p in paths:
-        p = str(p)
-        if any(ch in p for ch in "*?["):
-            files += sorted(_glob.glob(p, recursive=True))
-        elif os.path.isdir(p):
-            found = sorted(
-                f for f in Path(p).rglob("*") if f.is_file() and f.suffix.lower() in _EXT_BUILDER
-            )
-            in_split = [
-                f
-                for f in found
-                if f.name.startswith((f"{split}-", f"{split}_", f"{split}."))
-                or split in f.relative_to(p).parts[:-1]
-            ]
-            files += [str(f) for f in (in_split or found)]
-        elif os.path.isfile(p):
-            files.append(p)
-        elif isinstance(path, str):
-            return None  # not local: a hub id
-        else:
-            raise FileNotFoundError(f"data file not found: {p}")
-    if not files:
-        raise FileNotFoundError(f"no .parquet/.jsonl/.json/.txt files match {path!r}")
-    builders = {_EXT_BUILDER.get(Path(f).suffix.lower()) for f in files}
-    if None in builders:
-        bad = [f for f in files if Path(f).suffix.lower() not in _EXT_BUILDER][:3]
-        raise ValueError(f"unsupported file type(s) {bad}; use .parquet, .jsonl/.json or .txt")
-    if len(builders) != 1:
-        raise ValueError(f"mixed file formats {sorted(builders)} in {path!r}; use one format")
-    return builders.pop(), files
 
 
 class StreamingTextDataset(IterableDataset):
@@ -235,18 +187,16 @@ class StreamingTextDataset(IterableDataset):
         load_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
-        if skip_first < 0:
-            raise ValueError(f"skip_first must be >= 0, got {skip_first}")
-        if max_documents is not None and max_documents < 1:
-            raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}")
-        if not 0 <= dp_rank < dp_world_size:
-            raise ValueError(f"dp_rank {dp_rank} not in [0, dp_world_size={dp_world_size})")
-        if batches_per_iter is not None and (batches_per_iter < 1 or batch_size < 1):
-            raise ValueError("batches_per_iter and batch_size must be >= 1")
+        _check_args(
+            seq_len=seq_len,
+            seed=seed,
+            skip_first=skip_first,
+            max_documents=max_documents,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            batches_per_iter=batches_per_iter,
+            batch_size=batch_size,
+        )
         self.source = source
         self.tokenizer = TextTokenizer.coerce(tokenizer)
         if self.tokenizer.eos_id is None:
@@ -273,250 +223,70 @@ class StreamingTextDataset(IterableDataset):
         self.text_sample_by = text_sample_by
         self.load_kwargs = dict(load_kwargs or {})
 
-        local = resolve_local_files(source, split)
-        self._builder, self._files = local if local else (None, None)
-        self._read_text_as_binary = False
-        footer_rows = self._parquet_footers() if self._builder == "parquet" else []
-        self._hf = None
-        n = self._hf_dataset().n_shards
-        self.n_shards = int(n)
-        # Rows per shard, as far as known: all of them from Parquet footers, otherwise counted
-        # on demand and only up to the end of the window (a hub stream with skip_first=100000
-        # reads its first shards, not the whole dataset).
-        self._known: dict[int, int] = {}
-        self._offsets: list[int] | None = None
-        if footer_rows and len(footer_rows) == self.n_shards:
-            self._known = dict(enumerate(footer_rows))
-        # Document ids: the global raw index when all row counts are known up front, else
-        # shard << 40 | row. Fixed here so that a later num_documents() cannot change them.
-        self._global_ids = len(self._known) == self.n_shards
-        self._pieces = self._make_pieces()
+        self._open_source()
         self._reset_position()
 
     # ------------------------------------------------------------------ source
-    def _hf_dataset(self):
-        if self._hf is None:
-            from datasets import load_dataset
+    def _open_source(self) -> None:
+        """Locate the files, read what their metadata gives for free (Parquet footers), open the
+        Hugging Face stream and clip its shards to the window. Errors name the files."""
+        self._source = StreamSource(
+            self.source,
+            split=self.split,
+            name=self.name,
+            text_column=self.text_column,
+            text_sample_by=self.text_sample_by,
+            load_kwargs=self.load_kwargs,
+            skip_first=self.skip_first,
+            max_documents=self.max_documents,
+        )
+        self.n_shards = self._source.n_shards
+        self._files = self._source.files
 
-            if self._builder is not None:
-                kw = dict(self.load_kwargs)
-                if self._builder == "text":
-                    kw.setdefault("sample_by", self.text_sample_by)
-                if self._read_text_as_binary and not {"columns", "features"} & kw.keys():
-                    # Only the text column, as bytes, whatever string/binary/dictionary/view
-                    # layout each file has: datasets casts every file to the *first* file's type
-                    # otherwise, and some casts do not exist (dictionary<binary> -> string_view).
-                    # Decoded per value by _text_of (an invalid value is one counted skip).
-                    from datasets import Features, Value
+    @property
+    def _pieces(self) -> list[Piece]:
+        return self._source.pieces
 
-                    kw["columns"] = [self.text_column]
-                    kw["features"] = Features({self.text_column: Value("large_binary")})
-                try:
-                    self._hf = load_dataset(
-                        self._builder, data_files=self._files, split="train", streaming=True, **kw
-                    )
-                except Exception as e:  # schema inference reads the first file: name the files
-                    shown = ", ".join(self._files[:3]) + (" ..." if len(self._files) > 3 else "")
-                    raise BadInputError(
-                        f"cannot open as {self._builder} ({type(e).__name__}: {e})",
-                        file=shown,
-                        hint=False,
-                    ) from e
-            else:
-                self._hf = load_dataset(
-                    str(self.source),
-                    self.name,
-                    split=self.split,
-                    streaming=True,
-                    **self.load_kwargs,
-                )
-        return self._hf
+    @property
+    def _known(self) -> dict[int, int]:
+        return self._source.known
 
     def __getstate__(self) -> dict[str, Any]:
-        # Workers rebuild the HF handle lazily (cheap for local files); nothing else is special.
         d = dict(self.__dict__)
-        d["_hf"] = None
-        d["_doc_iter"] = None
+        d["_doc_iter"] = None  # a live generator; rebuilt from (epoch, consumed)
         return d
 
     def shard_name(self, shard: int) -> str:
         """The file behind a shard (packaged builders read one file per shard)."""
-        if self._files is not None and len(self._files) == self.n_shards:
-            return self._files[shard]
-        return f"{self.source} shard {shard}/{self.n_shards}"
-
-    def _parquet_footers(self) -> list[int]:
-        """Rows per local Parquet file, from the footers; also decides whether the text column
-        can be read as bytes from every file (it is a text column in all of them: see
-        :mod:`torchtitan_ext.text.columns`; otherwise values are judged one by one)."""
-        import pyarrow.parquet as pq
-
-        rows, kinds = [], []
-        for f in self._files or []:
-            try:
-                pf = pq.ParquetFile(f)
-                rows.append(pf.metadata.num_rows)
-                schema = pf.schema_arrow
-            except Exception as e:  # re-raised with the file named
-                raise BadInputError(f"unreadable Parquet footer: {e}", file=f, hint=False) from e
-            i = schema.get_field_index(self.text_column)
-            kinds.append(text_kind(schema.field(i).type) if i >= 0 else None)
-        self._read_text_as_binary = bool(kinds) and None not in kinds
-        return rows
-
-    def _count(self, shard: int) -> int:
-        """Rows of one shard (one reading pass when the format has no metadata; cached)."""
-        if shard not in self._known:
-            rows = self._raw_rows(Piece(shard, 0, None), count_only=True)
-            self._known[shard] = sum(1 for _ in rows)
-        return self._known[shard]
-
-    def _size(self, p: Piece) -> int | None:
-        """Documents in a piece, or None if its shard was never counted."""
-        if p.hi is not None:
-            return p.hi - p.lo
-        n = self._known.get(p.shard)
-        return None if n is None else n - p.lo
+        return self._source.shard_name(shard)
 
     def num_documents(self) -> int:
         """Documents in the window (rows, including ones that will be skipped as bad). Counts
         every shard of the window that has no metadata."""
-        return sum(self._size(p) for p in self._make_pieces(count_all=True))
-
-    def _make_pieces(self, count_all: bool = False) -> list[Piece]:
-        """Clip the shards to the window ``[skip_first, skip_first + max_documents)``."""
-        a = self.skip_first
-        b = a + self.max_documents if self.max_documents is not None else None
-        pieces: list[Piece] = []
-        off = 0
-        for i in range(self.n_shards):
-            if b is not None and off >= b:
-                break
-            if b is None and off >= a and not count_all and i not in self._known:
-                # Past the window start with no end: the remaining shards are whole pieces and
-                # need no counting.
-                pieces += [Piece(j, 0, None) for j in range(i, self.n_shards)]
-                break
-            n = self._count(i)
-            lo, hi = max(a, off), (min(b, off + n) if b is not None else off + n)
-            if lo < hi:
-                pieces.append(Piece(i, lo - off, hi - off))
-            off += n
-        else:
-            if b is not None and b > off and pieces:
-                logger.warning(
-                    "%s: max_documents=%d reaches past the end of the source (%d documents); "
-                    "the window holds %d",
-                    self.source,
-                    self.max_documents,
-                    off,
-                    off - a,
-                )
-        if not pieces:
-            raise ValueError(
-                f"{self.source}: the window skip_first={a} max_documents={self.max_documents} "
-                f"is empty (the source has {off} documents)"
-            )
-        return pieces
+        return self._source.num_documents()
 
     def _doc_id(self, shard: int, row: int) -> int:
-        if self._global_ids:
-            if self._offsets is None:
-                counts = [self._known[i] for i in range(self.n_shards)]
-                self._offsets = [int(x) for x in np.cumsum([0, *counts])]
-            return self._offsets[shard] + row  # global raw index
-        return (shard << _SHARD_BITS) | row
-
-    def _raw_rows(self, piece: Piece, count_only: bool = False) -> Iterator[tuple[int, Any]]:
-        """``(row, text value)`` for the rows of one piece, in file order (``_MISSING`` when the
-        text column is absent). A read error is a BadInputError naming the file and the row
-        reached (or, in skip mode, a counted skip of the rest of the shard).
-
-        Reads with ``IterableDataset.iter(batch_size)``: batched (fast) and, unlike ``__iter__``,
-        it does not re-shard itself inside a DataLoader worker (we already did)."""
-        ds = self._hf_dataset()
-        sub = ds.shard(num_shards=self.n_shards, index=piece.shard, contiguous=True)
-        row = 0
-        it = sub.iter(batch_size=_READ_BATCH)
-        while piece.hi is None or row < piece.hi:
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            except Exception as e:  # a corrupt file / line: name it, then raise or count
-                if count_only:
-                    return  # the reading pass will hit and report the same error
-                err = BadInputError(
-                    f"unreadable record at or after this row ({type(e).__name__}: {e})",
-                    file=self.shard_name(piece.shard),
-                    row=row,
-                )
-                if self.on_bad_input == "error":
-                    raise err from e
-                self.skips.skip("unreadable", err.location)
-                return
-            col = batch.get(self.text_column)
-            n = len(next(iter(batch.values()))) if batch else 0
-            if col is None:
-                col = [_MISSING] * n
-            for value in col:
-                if piece.hi is not None and row >= piece.hi:
-                    return
-                if row >= piece.lo:
-                    yield row, value
-                row += 1
-
-    def _slot_items(self, epoch: int, slot: int, nslots: int) -> Iterator[tuple[int, int, Any]]:
-        """The slot's epoch stream before the block shuffle: ``(shard, row, text value)``."""
-        order = list(range(len(self._pieces)))
-        if self.shuffle:
-            order = [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(order)]
-        pieces = [self._pieces[i] for i in order]
-        if self._shard_level(nslots):  # shard-level: whole pieces per slot
-            for p in pieces[slot::nslots]:
-                for row, ex in self._raw_rows(p):
-                    yield p.shard, row, ex
-        else:  # example-level: every slot reads everything, keeps every nslots-th row
-            j = 0
-            for p in pieces:
-                for row, ex in self._raw_rows(p):
-                    if j % nslots == slot:
-                        yield p.shard, row, ex
-                    j += 1
+        return self._source.doc_id(shard, row)
 
     def _shard_level(self, nslots: int) -> bool:
-        """Whole pieces per slot when their number divides evenly by the slot count *and* they
-        are of (nearly) equal size (known sizes differing by <= 5 %): with unequal pieces the
-        slots' epochs would drift apart (a slot holding a small piece races through epochs).
-        Otherwise example-level."""
-        if len(self._pieces) % nslots != 0:
-            return False
-        sizes = [self._size(p) for p in self._pieces]
-        if None in sizes:
-            return True  # sizes unknown (no metadata, not counted): trust the shard layout
-        return max(sizes) - min(sizes) <= max(1, 0.05 * max(sizes))
+        return self._source.shard_level(nslots)
 
     def _epoch_stream(
         self, epoch: int, start: int, slot: int, nslots: int
     ) -> Iterator[tuple[int, int, Any]]:
-        """The slot's shuffled epoch stream from item ``start`` on (block shuffle; see top)."""
-        it = self._slot_items(epoch, slot, nslots)
-        B = self.shuffle_buffer
-        block = start // B
-        # Re-read, without tokenizing, the rows of the blocks before the resume point.
-        for _ in islice(it, block * B):
-            pass
-        offset = start - block * B
-        while True:
-            items = list(islice(it, B))
-            if not items:
-                return
-            if B > 1:
-                rng = np.random.default_rng([self.seed, epoch, slot, block])
-                items = [items[i] for i in rng.permutation(len(items))]
-            yield from items[offset:]
-            offset = 0
-            block += 1
+        """The slot's shuffled epoch stream ``(shard, row, text value)`` from item ``start`` on
+        (block shuffle; see the module docstring)."""
+        return self._source.epoch_stream(
+            epoch,
+            start,
+            slot,
+            nslots,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            block_size=self.shuffle_buffer,
+            on_bad_input=self.on_bad_input,
+            skips=self.skips,
+        )
 
     # ------------------------------------------------------------------ position / state
     def _reset_position(self) -> None:
@@ -540,13 +310,11 @@ class StreamingTextDataset(IterableDataset):
         return (info.id, info.num_workers) if info is not None else (0, 1)
 
     def _global_slot(self) -> tuple[int, int]:
-        w, nw = self._slot()
-        return self.dp_rank * nw + w, self.dp_world_size * nw
+        return global_slot(self.dp_rank, self.dp_world_size, *self._slot())
 
     def state_dict(self) -> dict[str, Any]:
         """Pickle-free state of this slot (ints and lists of ints/str)."""
         slot, nslots = self._global_slot()
-        p = self._packer.state_dict()
         return {
             "version": STATE_VERSION,
             "slot": slot,
@@ -555,13 +323,7 @@ class StreamingTextDataset(IterableDataset):
             "consumed": self.consumed,
             "ended": int(self.ended),
             "docs_used": self.docs_used,
-            "packer": {
-                "kind": int(p["kind"]),
-                "row_len": int(p["row_len"]),
-                "lengths": [int(x) for x in p["lengths"]],
-                "tokens": [int(x) for x in p["tokens"]],
-                "counters": {k: int(v) for k, v in p["counters"].items()},
-            },
+            "packer": packer_to_json(self._packer),
             "track": [list(map(int, t)) for t in self._track],
             "skips": self.skips.state_dict(),
         }
@@ -579,16 +341,7 @@ class StreamingTextDataset(IterableDataset):
         self.consumed = int(state["consumed"])
         self.ended = bool(state["ended"])
         self.docs_used = int(state["docs_used"])
-        pk = state["packer"]
-        self._packer.load_state_dict(
-            {
-                "kind": pk["kind"],
-                "row_len": pk["row_len"],
-                "lengths": np.asarray(pk["lengths"], dtype=np.int64),
-                "tokens": np.asarray(pk["tokens"], dtype=np.int64),
-                "counters": pk["counters"],
-            }
-        )
+        packer_from_json(self._packer, state["packer"])
         self._track = deque([int(v) for v in t] for t in state["track"])
         self.skips.load_state_dict(state["skips"])
         self._doc_iter = None  # rebuilt from (epoch, consumed) on the next read
@@ -612,7 +365,7 @@ class StreamingTextDataset(IterableDataset):
         judged by :func:`~torchtitan_ext.text.columns.as_text`, as in the Parquet loader (UTF-8
         bytes are text); empty documents are always skipped and counted."""
         where_file = self.shard_name(shard)
-        if text is _MISSING:
+        if text is MISSING:
             got = Rejected("missing_key", f"no column {self.text_column!r}")
         else:
             got = as_text(text)
@@ -632,7 +385,7 @@ class StreamingTextDataset(IterableDataset):
         stream. Moves to the next epoch (infinite) when the slot's epoch stream ends."""
         texts: list[str] = []
         ids: list[int] = []
-        empty_epoch_guard = 0
+        epoch_ends = 0  # epoch ends reached in this call with nothing accepted
         while len(texts) < self.encode_batch:
             if self._doc_iter is None:
                 self._doc_iter = self._epoch_stream(self.epoch, self.consumed, slot, nslots)
@@ -641,34 +394,9 @@ class StreamingTextDataset(IterableDataset):
             except StopIteration:
                 if texts:
                     break  # pack what we have first; the epoch ends on the next call
-                if self.max_documents is not None and self.infinite and not self.repeat_window:
-                    raise DocumentLimitReached(
-                        f"{self.source}: rank {self.dp_rank} slot {slot}/{nslots} reached the end "
-                        f"of the max_documents={self.max_documents} window (skip_first="
-                        f"{self.skip_first}) in epoch {self.epoch}. A document limit is read once "
-                        "and never replayed; raise max_documents, lower the number of eval "
-                        "batches, or drop the limit for an endless stream."
-                    ) from None
-                if not self.infinite:
+                if not self._next_epoch(slot, nslots, epoch_ends):
                     return False
-                # Reaching an epoch end twice in one call with nothing accepted means a whole
-                # epoch of this slot had no usable document: stop instead of spinning forever.
-                empty_epoch_guard += 1
-                if empty_epoch_guard >= 2:
-                    files = self._files or [str(self.source)]
-                    shown = ", ".join(files[:3]) + (
-                        f" and {len(files) - 3} more" if len(files) > 3 else ""
-                    )
-                    raise NoUsableDocuments(
-                        f"slot {slot} of {nslots} (dp_rank {self.dp_rank}) got no usable "
-                        f"documents in epoch {self.epoch} of {shown}: fewer documents than dp "
-                        f"ranks x workers, or every record was skipped (skipped so far: "
-                        f"{self.skips.as_dict() or 'none'})"
-                    ) from None
-                self.epoch += 1
-                self.consumed = 0
-                self._doc_iter = None
-                logger.info("%s: slot %d/%d starts epoch %d", self.source, slot, nslots, self.epoch)
+                epoch_ends += 1
                 continue
             self.consumed += 1
             text = self._text_of(ex, shard, row)
@@ -676,54 +404,64 @@ class StreamingTextDataset(IterableDataset):
                 texts.append(text)
                 ids.append(self._doc_id(shard, row))
         if texts:
-            encoded = self.tokenizer.encode_arrays(texts, add_bos=self.add_bos, add_eos=False)
-            for doc, did in zip(encoded, ids, strict=True):
-                self._packer.add(doc)
-                n = len(doc) + 1  # +1: the EOS boundary
-                self._track.append([did, self.epoch, n, n])
-            self.docs_used += len(texts)
+            self._pack(texts, ids)
         return True
 
-    def _row_doc_ids(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Consume ``n`` tokens of the per-segment bookkeeping: per-token doc id, epoch and
-        offset inside the document (offset 0 = the document starts here)."""
-        ids = np.full(n, -1, dtype=np.int64)
-        eps = np.full(n, -1, dtype=np.int64)
-        offs = np.full(n, -1, dtype=np.int64)
-        i = 0
-        while i < n and self._track:
-            t = self._track[0]
-            take = min(t[2], n - i)
-            ids[i : i + take] = t[0]
-            eps[i : i + take] = t[1]
-            start = t[3] - t[2]
-            offs[i : i + take] = np.arange(start, start + take)
-            i += take
-            t[2] -= take
-            if t[2] == 0:
-                self._track.popleft()
-        return ids, eps, offs
+    def _next_epoch(self, slot: int, nslots: int, epoch_ends: int) -> bool:
+        """The slot's epoch stream ended: False for a finite stream, else move to the next
+        epoch. Raises at the end of a ``max_documents`` window that may not repeat, and when a
+        whole epoch had no usable document (``epoch_ends`` already reached in the same call)."""
+        if self.max_documents is not None and self.infinite and not self.repeat_window:
+            raise DocumentLimitReached(
+                f"{self.source}: rank {self.dp_rank} slot {slot}/{nslots} reached the end "
+                f"of the max_documents={self.max_documents} window (skip_first="
+                f"{self.skip_first}) in epoch {self.epoch}. A document limit is read once "
+                "and never replayed; raise max_documents, lower the number of eval "
+                "batches, or drop the limit for an endless stream."
+            ) from None
+        if not self.infinite:
+            return False
+        # Reaching an epoch end twice in one call with nothing accepted means a whole epoch of
+        # this slot had no usable document: stop instead of spinning forever.
+        if epoch_ends >= 1:
+            files = self._files or [str(self.source)]
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise NoUsableDocuments(
+                f"slot {slot} of {nslots} (dp_rank {self.dp_rank}) got no usable "
+                f"documents in epoch {self.epoch} of {shown}: fewer documents than dp "
+                f"ranks x workers, or every record was skipped (skipped so far: "
+                f"{self.skips.as_dict() or 'none'})"
+            ) from None
+        self.epoch += 1
+        self.consumed = 0
+        self._doc_iter = None
+        logger.info("%s: slot %d/%d starts epoch %d", self.source, slot, nslots, self.epoch)
+        return True
 
-    def _sample(self, final: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _pack(self, texts: list[str], ids: list[int]) -> None:
+        """Tokenize a batch of documents into the packer and its per-token bookkeeping."""
+        encoded = self.tokenizer.encode_arrays(texts, add_bos=self.add_bos, add_eos=False)
+        for doc, did in zip(encoded, ids, strict=True):
+            self._packer.add(doc)
+            n = len(doc) + 1  # +1: the EOS boundary
+            self._track.append([did, self.epoch, n, n])
+        self.docs_used += len(texts)
+
+    def _row_doc_ids(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return take_doc_ids(self._track, n)
+
+    def _sample(self, final: bool) -> Sample:
         row = self._packer.pop_row(final=final)
-        ids, eps, offs = self._row_doc_ids(row.valid)
-        inp, labels, pos = row_to_example(row)
-        d = {"input": torch.from_numpy(inp.copy()), "positions": torch.from_numpy(pos.copy())}
-        if self.emit_doc_ids:
-            for key, vals in (("doc_ids", ids), ("doc_epochs", eps), ("doc_offsets", offs)):
-                full = np.full(self.seq_len + 1, -1, dtype=np.int64)
-                full[: row.valid] = vals
-                d[key] = torch.from_numpy(full[:-1])
-        return d, torch.from_numpy(labels)
+        ids = self._row_doc_ids(row.valid)  # consumed even when not emitted
+        return make_sample(row, ids if self.emit_doc_ids else None, self.seq_len)
 
     def _quota(self) -> int | None:
         """Samples this worker yields per ``__iter__`` (None: unbounded)."""
         if self.batches_per_iter is None:
             return None
-        w, nw = self._slot()
-        return self.batch_size * len(range(w, self.batches_per_iter, nw))
+        return worker_quota(self.batches_per_iter, self.batch_size, *self._slot())
 
-    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    def __iter__(self) -> Iterator[Sample]:
         slot, nslots = self._global_slot()
         # The document iterator (if any) stays: its position always equals ``consumed``, so a
         # second __iter__ continues without re-reading. Only load_state_dict drops it.
@@ -747,3 +485,29 @@ class StreamingTextDataset(IterableDataset):
                 return
             produced += 1
             yield self._sample(final=False)
+
+
+def _check_args(
+    *,
+    seq_len: int,
+    seed: int,
+    skip_first: int,
+    max_documents: int | None,
+    dp_rank: int,
+    dp_world_size: int,
+    batches_per_iter: int | None,
+    batch_size: int,
+) -> None:
+    """One-line errors for impossible arguments, before the tokenizer or any file is opened."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if skip_first < 0:
+        raise ValueError(f"skip_first must be >= 0, got {skip_first}")
+    if max_documents is not None and max_documents < 1:
+        raise ValueError(f"max_documents must be >= 1 or None, got {max_documents}")
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} not in [0, dp_world_size={dp_world_size})")
+    if batches_per_iter is not None and (batches_per_iter < 1 or batch_size < 1):
+        raise ValueError("batches_per_iter and batch_size must be >= 1")
