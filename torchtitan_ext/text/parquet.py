@@ -233,6 +233,20 @@ class ParquetSource:
         # Files that could not even be opened (skip mode only): no rows are known for them, so
         # they are reported separately from the per-row reconciliation.
         self.unreadable_files: list[str] = []
+        all_groups = self._read_footers()
+        self.total_row_groups = len(all_groups)
+        self.row_groups = all_groups[dp_rank::dp_world_size]
+        self._check_rank_share(all_groups)
+        # A few open files, least recently used evicted: a rank may own thousands of shards,
+        # and keeping all open would exhaust file descriptors.
+        # Open files per reading thread: concurrent read-ahead threads never share a ParquetFile
+        # (nor close one another is reading); each keeps its own small LRU.
+        self._local = threading.local()
+
+    def _read_footers(self) -> list[RowGroup]:
+        """The row groups of every file, from its footer (files are closed again). An unreadable
+        file or a missing text column is a BadInputError naming the file in error mode; in
+        skip mode an unreadable file is listed in ``unreadable_files``."""
         all_groups: list[RowGroup] = []
         for f in self.files:
             try:
@@ -258,8 +272,11 @@ class ParquetSource:
                 )
             for i in range(md.num_row_groups):
                 all_groups.append(RowGroup(f, i, md.row_group(i).num_rows))
-        self.total_row_groups = len(all_groups)
-        self.row_groups = all_groups[dp_rank::dp_world_size]
+        return all_groups
+
+    def _check_rank_share(self, all_groups: list[RowGroup]) -> None:
+        """This rank must own at least one row group with rows: a rank with none would never
+        yield (or leave the other ranks waiting in a collective)."""
         unreadable = (
             f" ({len(self.unreadable_files)} unreadable file(s) skipped)"
             if self.unreadable_files
@@ -267,7 +284,7 @@ class ParquetSource:
         )
         if not self.row_groups:
             raise ValueError(
-                f"dp_rank {dp_rank} of {dp_world_size} gets no row group: the {split} split has "
+                f"dp_rank {self.dp_rank} of {self.dp_world_size} gets no row group: the {self.split} split has "
                 f"{len(all_groups)} row group(s) in {len(self.files)} file(s){unreadable} and every "
                 f"rank needs at least one (write the shards with smaller row groups, or use fewer "
                 f"DP ranks)"
@@ -276,17 +293,12 @@ class ParquetSource:
             # Its stream would never yield a row: stop here rather than spin (or leave the other
             # ranks waiting in a collective).
             raise ValueError(
-                f"dp_rank {dp_rank} of {dp_world_size} gets only empty row groups: its "
+                f"dp_rank {self.dp_rank} of {self.dp_world_size} gets only empty row groups: its "
                 f"{len(self.row_groups)} row group(s) in {self._files_named()} have 0 rows (the "
-                f"{split} split has {sum(g.num_rows for g in all_groups)} rows in "
+                f"{self.split} split has {sum(g.num_rows for g in all_groups)} rows in "
                 f"{len(all_groups)} row group(s){unreadable}); drop the empty shards or use "
                 f"fewer DP ranks"
             )
-        # A few open files, least recently used evicted: a rank may own thousands of shards,
-        # and keeping all open would exhaust file descriptors.
-        # Open files per reading thread: concurrent read-ahead threads never share a ParquetFile
-        # (nor close one another is reading); each keeps its own small LRU.
-        self._local = threading.local()
 
     # ------------------------------------------------------------------ order
     def epoch_order(self, epoch: int) -> list[int]:
