@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import torchtitan_ext
-from torchtitan_ext.tokenizer import bpe
+from torchtitan_ext.tokenizer import merge, pretokenize
 from torchtitan_ext.tokenizer.bpe import (
     BPEStats,
     count_file_pretokens,
@@ -184,8 +184,8 @@ def test_native_and_python_identical_on_real_text(tmp_path):
 
 
 def test_fallback_without_native(monkeypatch):
-    monkeypatch.setattr(bpe, "_native", None)
-    assert not bpe.native_available()
+    monkeypatch.setattr(merge, "_native", None)
+    assert not native_available()
     st_ = BPEStats()
     _, merges = train_bpe(DATA / "corpus.en", 300, [EOT], 0, stats=st_)
     assert st_.engine == "python"
@@ -360,7 +360,7 @@ def _die(*args, **kwargs):
 @pytest.mark.skipif(sys.platform != "linux", reason="needs the fork start method")
 def test_dead_worker_is_reported(tmp_path, monkeypatch):
     # forked workers inherit the patched module: the first chunk kills its worker
-    monkeypatch.setattr(bpe, "count_pretokens", _die)
+    monkeypatch.setattr(pretokenize, "count_pretokens", _die)
     p = tmp_path / "x.txt"
     p.write_text(("some text " * 2000 + EOT) * 20, encoding="utf-8")
     with pytest.raises(RuntimeError, match=r"worker died \(exit code 3\)"):
@@ -374,7 +374,7 @@ def _bounds_then_fail(mm, special_tokens, chunk_bytes):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs the fork start method")
 def test_reader_thread_error_is_reraised_with_its_traceback(tmp_path, monkeypatch):
-    monkeypatch.setattr(bpe, "iter_chunk_bounds", _bounds_then_fail)
+    monkeypatch.setattr(pretokenize, "iter_chunk_bounds", _bounds_then_fail)
     p = tmp_path / "x.txt"
     p.write_text(("some text " * 200 + EOT) * 4, encoding="utf-8")
     with pytest.raises(OSError, match="the disk went away") as ei:

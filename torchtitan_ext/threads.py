@@ -2,8 +2,8 @@
 
 The package runs its producers in daemon threads (:mod:`~torchtitan_ext.text.prefetch`'s
 producer, :mod:`~torchtitan_ext.device.staging`'s fetch and stage threads,
-:mod:`~torchtitan_ext.tokenizer.bpe`'s reader). Each needs the same three things, and this module
-is their one home:
+:mod:`~torchtitan_ext.tokenizer.pretokenize`'s reader). Each needs the same three things, and this
+module is their one home:
 
 * :func:`put` / :func:`get` / :class:`Stopped` — a blocking hand-off on a bounded queue that
   re-checks a stop :class:`threading.Event` every ``poll_s``. Why: a producer blocked on a full

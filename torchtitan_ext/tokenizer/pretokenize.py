@@ -1,0 +1,347 @@
+"""Pre-tokenization and counting (step 1 of :func:`~torchtitan_ext.tokenizer.bpe.train_bpe`):
+a UTF-8 file in, a ``Counter`` of GPT-2 pre-tokens out, streaming and in parallel.
+
+The file is cut into chunks (:mod:`~torchtitan_ext.tokenizer.chunks`). A reader thread finds
+the cuts on a read-only memory map of the file and feeds ``(start, end)`` offsets through a
+bounded queue to a pool of worker processes; each worker reads its ranges itself as bytes (no
+file data crosses a pipe), decodes, splits on the special tokens (longest first, so specials
+never join a merge), runs GPT-2's pattern with the ``regex`` package (the reference engine
+itself, so the pre-tokens are exact by construction) and counts them in one ``Counter`` across
+all its chunks; it ships that one counter back on its sentinel, so inter-process traffic is one
+dict per worker, not one per chunk. Memory is bounded by one chunk per worker plus the number of
+unique pre-tokens (sub-linear in the corpus, Heaps' law); the mapped pages are clean page cache.
+``num_workers=0`` counts in-process with a plain streaming reader (``iter_chunks``) that makes
+the same cuts. The reader thread's hand-off and error relay are :mod:`torchtitan_ext.threads`'.
+
+Cost: ``python -m benchmarks bpe`` times pre-tokenization at 1 and 2 workers and in-process
+(``benchmarks/RESULTS.md``, section *bpe*). Why 2 workers stay below 2x, from one run of that
+benchmark with both cores of the 2-core development box idle (5.2 MB corpus; not in
+RESULTS.md, whose runs were on a shared machine): 0.335 s with 1 worker, 0.183 s with 2 (1.83x;
+1.80-1.85x over the quiet runs), 0.327 s in-process; the regex runs at ~16 MB/s per core, the
+workers' CPU critical path alone gives 1.97x, and the rest is ~15 ms of fixed cost: fork, the
+last chunk's imbalance, and the serial tail of shipping and adding the two ~0.4 MB counters.
+With another job on one core the 2-worker speed-up drops to ~1.0-1.2x (the benchmark records
+the CPU idle fraction next to these rows).
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import regex
+
+from torchtitan_ext import threads
+from torchtitan_ext.tokenizer.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    check_specials,
+    iter_chunk_bounds,
+    iter_chunks,
+    split_regex,
+)
+
+__all__ = [
+    "GPT2_PATTERN",
+    "SMALL_FILE_BYTES",
+    "BPEStats",
+    "count_file_pretokens",
+    "count_pretokens",
+    "default_workers",
+]
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+"""GPT-2's pre-tokenization regex (``regex`` syntax), as in CS336 assignment 1."""
+
+_PAT = regex.compile(GPT2_PATTERN)
+
+
+@dataclass
+class BPEStats:
+    """Timings and counts of one ``train_bpe`` run (filled when ``stats=`` is passed)."""
+
+    pretokenize_s: float = 0.0
+    """Wall seconds reading the file and counting pre-tokens (pool start-up included)."""
+    merge_s: float = 0.0
+    """Wall seconds of the merge loop (building words included)."""
+    bytes_read: int = 0
+    """Bytes of input consumed."""
+    chunks: int = 0
+    """Chunks handed to workers."""
+    pretokens: int = 0
+    """Pre-tokens counted (with multiplicity)."""
+    unique_pretokens: int = 0
+    """Distinct pre-tokens (the words the merge loop works on)."""
+    merges: int = 0
+    """Merges learned (fewer than asked when the corpus runs out of pairs)."""
+    workers: int = 0
+    """Worker processes used (0 = counted in the calling process)."""
+    engine: str = ""
+    """Merge engine used: ``native`` or ``python``."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Diagnostics: ``worker_cpu_s_sum`` / ``worker_cpu_s_max`` (CPU seconds of the workers)."""
+
+
+SMALL_FILE_BYTES = 4 << 20
+"""With ``num_workers=None``, files smaller than this are counted in-process: starting a pool
+and shipping the counters back costs more than it saves below a few MB."""
+
+
+def default_workers(size: int | None = None) -> int:
+    if size is not None and size < SMALL_FILE_BYTES:
+        return 0
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux: sched_getaffinity is missing
+        return max(1, os.cpu_count() or 1)
+
+
+def count_pretokens(
+    text: str, special_tokens: list[str], counter: collections.Counter | None = None
+) -> collections.Counter:
+    """Count GPT-2 pre-tokens of ``text`` after removing the special tokens (CS336 semantics)."""
+    counter = collections.Counter() if counter is None else counter
+    findall = _PAT.findall
+    if not special_tokens:
+        counter.update(findall(text))
+    elif len(special_tokens) == 1:
+        # str.split scans left to right without overlap, the same as the regex split below
+        for doc in text.split(special_tokens[0]):
+            if doc:
+                counter.update(findall(doc))
+    else:
+        for doc in split_regex(special_tokens, as_bytes=False).split(text):
+            if doc:
+                counter.update(findall(doc))
+    return counter
+
+
+def _decode(chunk: bytes, offset: int, path: str) -> str:
+    try:
+        return chunk.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: invalid UTF-8 at byte offset {offset + e.start}: {e.reason}"
+        ) from None
+
+
+def _worker(tasks, result_conn, special_tokens: list[str], path: str) -> None:
+    """Pool worker: read and count every byte range it gets into one Counter; send it on the
+    sentinel. Reading its own ranges (seek + read) keeps file data off the pipes."""
+    counter: collections.Counter = collections.Counter()
+    cpu0 = time.process_time()
+    try:
+        with open(path, "rb") as f:
+            while True:
+                item = tasks.get()
+                if item is None:
+                    break
+                start, end = item
+                f.seek(start)
+                chunk = f.read(end - start)
+                if len(chunk) != end - start:
+                    raise OSError(
+                        f"{path}: short read at byte {start} ({len(chunk)} of {end - start} "
+                        "bytes; was the file truncated while training?)"
+                    )
+                count_pretokens(_decode(chunk, start, path), special_tokens, counter)
+        msg = ("ok", (dict(counter), time.process_time() - cpu0))
+    except BaseException as e:  # relayed to the parent, which re-raises it with the traceback
+        msg = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    result_conn.send(msg)
+    result_conn.close()
+
+
+def _auto_chunk_bytes(size: int, workers: int, chunk_bytes: int | None) -> int:
+    if chunk_bytes is not None:
+        return chunk_bytes
+    # ~16 chunks per worker so the last chunk leaves a core idle only briefly; a chunk costs
+    # little (one queue round trip and a read), but below ~64 KiB the round trips start to show
+    per = size // max(1, 16 * max(1, workers)) + 1
+    return max(64 << 10, min(DEFAULT_CHUNK_BYTES, per))
+
+
+def count_file_pretokens(
+    path: str | os.PathLike,
+    special_tokens: list[str] | tuple[str, ...] = (),
+    num_workers: int | None = None,
+    chunk_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    stats: BPEStats | None = None,
+    mp_context: str | None = None,
+) -> collections.Counter:
+    """Pre-tokenize a UTF-8 file and count its pre-tokens (step 1 of ``train_bpe``).
+
+    Cuts the file at special-token boundaries (``iter_chunk_bounds`` on a memory map) and feeds
+    the byte ranges through a bounded queue to ``num_workers`` processes that read and count them
+    (``0``: a streaming ``iter_chunks`` loop in this process; ``None``: the usable CPUs, or 0 for
+    files under ``SMALL_FILE_BYTES``). ``progress`` is called with each chunk's byte count as it
+    is handed out.
+    Returns a ``Counter`` of pre-token str -> count; special tokens are never counted.
+    """
+    path = os.fspath(path)
+    special_tokens = check_specials(special_tokens)
+    size = os.path.getsize(path)
+    num_workers = default_workers(size) if num_workers is None else int(num_workers)
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0 or None, got {num_workers}")
+    stats = stats if stats is not None else BPEStats()
+    cb = _auto_chunk_bytes(size, num_workers, chunk_bytes)
+    total: collections.Counter = collections.Counter()
+    stats.workers = num_workers
+    if num_workers == 0:
+        return _count_in_process(path, special_tokens, cb, progress, stats)
+
+    ctx = mp.get_context(mp_context)
+    tasks = ctx.Queue(maxsize=2 * num_workers)  # bounded: the reader never runs far ahead
+    readers, procs = _start_workers(ctx, tasks, num_workers, special_tokens, path)
+    stop = threading.Event()
+    feeder, feed_error = _start_reader(
+        path, size, special_tokens, cb, tasks, stop, len(procs), progress, stats
+    )
+    ok = False
+    try:
+        cpu = _collect(readers, procs, path, total)
+        feeder.join()
+        if feed_error:
+            raise threads.relay(
+                feed_error[0], f"the thread {feeder.name!r}", "count_file_pretokens"
+            )
+        stats.extra["worker_cpu_s_sum"] = sum(cpu)
+        stats.extra["worker_cpu_s_max"] = max(cpu)
+        ok = True
+    finally:
+        stop.set()
+        for p in procs:
+            if not ok:
+                p.terminate()  # blocked on an empty queue with no sentinel coming
+            p.join()
+        if not ok:
+            # undelivered chunks would otherwise block interpreter exit in the queue's thread
+            tasks.cancel_join_thread()
+        feeder.join()
+        tasks.close()
+        for r in readers:
+            r.close()
+    return total
+
+
+def _count_in_process(
+    path: str,
+    special_tokens: list[str],
+    chunk_bytes: int,
+    progress: Callable[[int], None] | None,
+    stats: BPEStats,
+) -> collections.Counter:
+    """``num_workers=0``: a streaming ``iter_chunks`` loop in this process (same cuts)."""
+    total: collections.Counter = collections.Counter()
+    offset = 0
+    with open(path, "rb") as f:
+        for chunk in iter_chunks(f, special_tokens, chunk_bytes):
+            count_pretokens(_decode(chunk, offset, path), special_tokens, total)
+            offset += len(chunk)
+            stats.chunks += 1
+            if progress:
+                progress(len(chunk))
+    stats.bytes_read = offset
+    return total
+
+
+def _start_workers(ctx, tasks, num_workers: int, special_tokens: list[str], path: str):
+    """Start the pool: ``(result pipe readers, processes)``. One result pipe per worker: the
+    worker sends its counter synchronously (no queue thread), and a worker that dies closes its
+    end, which the parent sees at once (EOF). A failed start terminates those already started."""
+    readers: list = []
+    procs: list = []
+    try:
+        for _ in range(num_workers):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(tasks, w, special_tokens, path), daemon=True)
+            p.start()
+            w.close()  # before the next fork, so only worker i holds pipe i's write end
+            readers.append(r)
+            procs.append(p)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+            p.join()
+        raise
+    return readers, procs
+
+
+def _start_reader(
+    path: str,
+    size: int,
+    special_tokens: list[str],
+    chunk_bytes: int,
+    tasks,
+    stop: threading.Event,
+    num_sentinels: int,
+    progress: Callable[[int], None] | None,
+    stats: BPEStats,
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Start the reader thread ``bpe-reader``: it cuts the file and queues ``(start, end)``
+    ranges, then one sentinel per worker (which flushes that worker's counter). Its exception,
+    if any, lands in the returned list for the caller to relay; it gives up once ``stop`` is
+    set (a worker died or failed)."""
+    feed_error: list[BaseException] = []
+
+    def put(item) -> bool:
+        return threads.put(tasks, item, stop, poll_s=0.2)
+
+    def feed() -> None:
+        try:
+            if size == 0:
+                return
+            # The cut points are found on a read-only map of the file (page cache, no copies);
+            # only (start, end) offsets cross the bounded queue, each worker reads its ranges.
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                for start, end in iter_chunk_bounds(mm, special_tokens, chunk_bytes):
+                    if not put((start, end)):
+                        return
+                    stats.chunks += 1
+                    stats.bytes_read = end
+                    if progress:
+                        progress(end - start)
+        except BaseException as e:  # re-raised by the main thread
+            feed_error.append(e)
+        finally:
+            for _ in range(num_sentinels):
+                put(None)
+
+    feeder = threading.Thread(target=feed, name="bpe-reader", daemon=True)
+    feeder.start()
+    return feeder, feed_error
+
+
+def _collect(readers: list, procs: list, path: str, total: collections.Counter) -> list[float]:
+    """Add each worker's counter into ``total`` as it arrives; the CPU seconds each worker spent
+    (diagnoses a loaded machine). A worker that died or failed is a RuntimeError naming ``path``."""
+    cpu: list[float] = []
+    pending = dict(zip(readers, procs, strict=True))
+    while pending:
+        for r in mp_connection.wait(list(pending)):
+            proc = pending.pop(r)
+            try:
+                kind, payload = r.recv()
+            except EOFError:
+                proc.join()
+                raise RuntimeError(
+                    f"BPE pre-tokenization worker died (exit code {proc.exitcode}) "
+                    f"while reading {path}"
+                ) from None
+            if kind == "error":
+                raise RuntimeError(f"BPE pre-tokenization worker failed on {path}: {payload}")
+            # the first counter is adopted as is (Counter.update's fast path for an empty
+            # self); later ones add key by key (tens of thousands of unique keys each)
+            counts, cpu_s = payload
+            total.update(counts)
+            cpu.append(cpu_s)
+    return cpu
