@@ -78,6 +78,18 @@ def _safe_newline_cut_range(buf, start: int, end: int) -> int:
             return p
 
 
+def _cut_rules(special_tokens: list[str], chunk_bytes: int) -> tuple[re.Pattern | None, int, bool]:
+    """What both chunkers cut on: the specials' byte regex, the longest special's length (a
+    match is final once that many bytes follow its start) and whether a safe newline may cut
+    (not when a special token contains a newline)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    enc = [s.encode("utf-8") for s in special_tokens]
+    maxlen = max((len(s) for s in enc), default=0)
+    newline_ok = not any(b"\n" in s for s in enc)
+    return split_regex(special_tokens, as_bytes=True), maxlen, newline_ok
+
+
 def iter_chunks(
     f, special_tokens: list[str], chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[bytes]:
@@ -90,12 +102,7 @@ def iter_chunks(
     neither exists the block grows until one does (a giant single line is read whole).
     Concatenating the chunks gives the file back exactly.
     """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    pat = split_regex(special_tokens, as_bytes=True)
-    enc = [s.encode("utf-8") for s in special_tokens]
-    maxlen = max((len(s) for s in enc), default=0)
-    newline_ok = not any(b"\n" in s for s in enc)
+    pat, maxlen, newline_ok = _cut_rules(special_tokens, chunk_bytes)
     buf = b""
     while True:
         data = f.read(chunk_bytes)
@@ -130,12 +137,7 @@ def iter_chunk_bounds(
     Emulates ``iter_chunks`` reading ``buf`` with ``read(chunk_bytes)`` exactly (same cuts; the
     tests check it), but copies nothing: the scans use ``pos``/``endpos`` on the buffer.
     """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    pat = split_regex(special_tokens, as_bytes=True)
-    enc = [s.encode("utf-8") for s in special_tokens]
-    maxlen = max((len(s) for s in enc), default=0)
-    newline_ok = not any(b"\n" in s for s in enc)
+    pat, maxlen, newline_ok = _cut_rules(special_tokens, chunk_bytes)
     n = len(buf)
     start = end = 0  # the emulated read buffer is buf[start:end]
     while end < n:
