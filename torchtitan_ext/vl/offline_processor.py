@@ -147,4 +147,8 @@ def default_cache_root() -> Path:
 
 
 def offline_processor_dir() -> Path:
-    return default_cache_root() / f"qwen3vl_offline_processor_v{_OFFLINE_VERSION}"
+    """The offline processor's directory, built first when missing and rebuilt when it no longer
+    matches its manifest: a caller may read or copy it right away."""
+    return build_offline_processor(
+        default_cache_root() / f"qwen3vl_offline_processor_v{_OFFLINE_VERSION}"
+    )

@@ -64,7 +64,7 @@ def load_processor(model_path: str | Path | None = None) -> Any:
     path = (
         Path(model_path)
         if model_path is not None
-        else build_offline_processor(offline_processor_dir())
+        else offline_processor_dir()
     )
     key = str(path.resolve())
     if key in _PROCESSORS:

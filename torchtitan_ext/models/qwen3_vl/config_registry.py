@@ -34,9 +34,9 @@ _GPU_PACK = 8192
 
 def _offline_processor() -> str:
     """The embedded offline Qwen3-VL processor directory (built on first use, ~15 ms)."""
-    from torchtitan_ext.vl.processor import build_offline_processor, offline_processor_dir
+    from torchtitan_ext.vl.processor import offline_processor_dir
 
-    return str(build_offline_processor(offline_processor_dir()))
+    return str(offline_processor_dir())
 
 
 def _schedule(warmup: int) -> LRSchedulersContainer.Config:
