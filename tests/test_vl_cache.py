@@ -453,3 +453,13 @@ def test_two_ranks_via_env_cli(env, tmp_path, built, monkeypatch):
     assert p1.returncode == 0, err.decode()
     assert str(k) in out.decode()
     assert _content_files(k) == _content_files(built)
+
+
+@pytest.mark.parametrize("cores, workers", [(None, 0), (1, 0), (2, 0), (3, 2), (16, 15)])
+def test_default_build_workers(monkeypatch, cores, workers):
+    """In process below 3 cores (one decoding worker only adds the pixels' trip between
+    processes; RESULTS.md vl_build_workers), else one core left to the main process."""
+    from torchtitan_ext.vl import build
+
+    monkeypatch.setattr(build.os, "cpu_count", lambda: cores)
+    assert build.default_num_workers() == workers

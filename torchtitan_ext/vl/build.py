@@ -151,16 +151,19 @@ def resolve(config: BuildConfig, cache_dir: str | Path) -> Resolved:
 
 
 def default_num_workers() -> int:
-    """Build worker processes when none are asked for: ``cpu_count - 1`` (0 on one core).
+    """Build worker processes when none are asked for: ``cpu_count - 1`` from 3 cores up, else 0
+    (in process).
 
     The main process is busy too: it reads the next shard's rows, then packs, writes, hashes and
-    fsyncs each shard while the pool decodes the next one, so one core is left to it; every
-    other core decodes. On a loaded 2-core machine no setting was reliably fastest
-    (``python -m benchmarks vl_build_workers``, rows in ``benchmarks/RESULTS.md``). Use
-    ``--num-workers 0`` to leave the machine's cores to other jobs; more than ``cpu_count - 1``
-    only contends.
+    fsyncs each shard while the pool decodes the next one, so one core is left to it and every
+    other core decodes. With 2 cores that leaves a single decoding worker, which adds the cost
+    of sending each row's pixels between processes and no parallelism: in process was the
+    fastest there on a quiet machine (``python -m benchmarks vl_build_workers``, rows in
+    ``benchmarks/RESULTS.md``). Use ``--num-workers 0`` to leave the machine's cores to other
+    jobs; more than ``cpu_count - 1`` only contends.
     """
-    return max(0, (os.cpu_count() or 1) - 1)
+    cores = os.cpu_count() or 1
+    return cores - 1 if cores >= 3 else 0
 
 
 def shard_ranges(total: int, rows_per_shard: int) -> list[tuple[int, int]]:
