@@ -2,7 +2,7 @@
 #   make demo   : venv + install + embedded data, then train the llama3 debug model ~20 steps on CPU
 #   make demo-vl: venv + install, build the sample Qwen3-VL cache, train the tiny Qwen3-VL 20 steps on CPU
 #   make test   : venv + install, then the test suite (random order, HOME must stay empty)
-#   make test-alone : every test in its own pytest process (slow: ~1 h on 2 cores)
+#   make test-alone : every test in its own pytest process (slow: ~45 min on 2 cores with PYTEST_ARGS="-j 2")
 #   make bench-results : every benchmark, then benchmarks/RESULTS.md
 SHELL := /bin/bash
 PYTHON ?= python3
