@@ -61,11 +61,7 @@ def load_processor(model_path: str | Path | None = None) -> Any:
     """Load a Qwen3-VL processor: ``None`` -> the offline one (built on first use); a directory
     with ``tokenizer.json``/``tokenizer_config.json`` and ``preprocessor_config.json`` (a real
     Qwen3-VL checkpoint) also works. Never downloads. Cached per path within a process."""
-    path = (
-        Path(model_path)
-        if model_path is not None
-        else offline_processor_dir()
-    )
+    path = Path(model_path) if model_path is not None else offline_processor_dir()
     key = str(path.resolve())
     if key in _PROCESSORS:
         return _PROCESSORS[key]
