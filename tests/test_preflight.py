@@ -247,6 +247,27 @@ def test_checkpoint_saved_with_other_data_settings(launch, tmp_path, args, needl
     assert rc == 0 and len(built) == 1, err
 
 
+@pytest.mark.parametrize("damage", ["record-garbled", "record-null", "metadata-truncated"])
+def test_damaged_checkpoint_is_named_before_the_model_is_built(launch, tmp_path, damage):
+    """A checkpoint whose job record or DCP metadata cannot be read is one line naming the file
+    (before: a JSONDecodeError traceback, or no check at all and torchtitan failing later)."""
+    d = fake_checkpoint(tmp_path, 10, record=RECORD_NOW)
+    if damage == "record-garbled":
+        (d / RECORD).write_text('{"loader": "parq')
+    elif damage == "record-null":
+        (d / RECORD).write_text("null")
+    else:
+        meta = d / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:20])
+    name = ".metadata" if damage.startswith("metadata") else RECORD
+    assert_config_error(
+        launch(job("--dump_folder", str(tmp_path))),
+        f"unreadable {name}",
+        str(d / name),
+        "--checkpoint.exclude_from_loading dataloader",
+    )
+
+
 def test_a_complete_job_says_so_and_builds_nothing(launch, tmp_path):
     fake_checkpoint(tmp_path, 20, record=RECORD_NOW)
     rc, err, built = launch(job("--dump_folder", str(tmp_path)))

@@ -67,14 +67,32 @@ def saved_steps(folder: Path) -> list[int]:
     )
 
 
-def _metadata_ranks(step_dir: Path) -> int | None:
-    """Data-parallel degree from the DCP metadata's per-rank loader keys (None: not keyed)."""
+_WAYS_OUT = (
+    "Use another --dump_folder, or delete this one (for the demo: make clean-demo), or keep the "
+    "model and start the data from scratch with --checkpoint.exclude_from_loading dataloader"
+)
+
+
+def _damaged(job: Job, path: Path, e: Exception) -> ConfigError:
+    return ConfigError(
+        f"{job.file}: the checkpoint this job would resume from has an unreadable {path.name} "
+        f"({path}: {type(e).__name__}: {e}). {_WAYS_OUT}"
+    )
+
+
+def _metadata_ranks(job: Job, step_dir: Path) -> int | None:
+    """Data-parallel degree from the DCP metadata's per-rank loader keys (None: not keyed, or
+    not a DCP checkpoint: an HF-format one has no ``.metadata``). A ``.metadata`` that cannot
+    be read is a damaged checkpoint, named before torchtitan fails on it after the model build."""
+    meta = step_dir / ".metadata"
+    if not meta.is_file():
+        return None
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
         keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    except Exception:  # not a DCP checkpoint (HF format) or unreadable: nothing to compare
-        return None
+    except Exception as e:  # damaged: named, with the ways out
+        raise _damaged(job, meta, e) from e
     ranks = {int(m.group(1)) for k in keys if (m := _RANK_KEY.match(k))}
     return len(ranks) or None
 
@@ -115,9 +133,15 @@ def check_checkpoint(job: Job) -> None:
 def _check_data_state(job: Job, step_dir: Path) -> None:
     cfg = job.config
     saved: dict[str, Any] = {}
-    if (step_dir / RECORD).is_file():
-        saved = json.loads((step_dir / RECORD).read_text())
-    ranks = _metadata_ranks(step_dir)
+    record = step_dir / RECORD
+    if record.is_file():
+        try:
+            saved = json.loads(record.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError(f"a JSON object was expected, got {type(saved).__name__}")
+        except (ValueError, OSError) as e:  # garbled or truncated: named, with the ways out
+            raise _damaged(job, record, e) from e
+    ranks = _metadata_ranks(job, step_dir)
     now = job_record(cfg, job.dp_degree)
     diffs = []
     if saved.get("loader", now["loader"]) != now["loader"]:
@@ -130,8 +154,5 @@ def _check_data_state(job: Job, step_dir: Path) -> None:
     if diffs:
         raise ConfigError(
             f"{job.file}: the checkpoint this job would resume from, {step_dir}, was saved with "
-            f"{', '.join(diffs)}, so its data-loader state does not fit. Use another "
-            "--dump_folder, or delete this one (for the demo: make clean-demo), or keep the "
-            "model and start the data from scratch with --checkpoint.exclude_from_loading "
-            "dataloader"
+            f"{', '.join(diffs)}, so its data-loader state does not fit. {_WAYS_OUT}"
         )

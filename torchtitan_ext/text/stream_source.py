@@ -161,7 +161,7 @@ def piece_rows(
         except StopIteration:
             return
         except Exception as e:  # a corrupt file / line: name it, then raise or count
-            if skips is None:
+            if skips is None:  # a counting pass: the reading pass meets and reports it
                 return
             err = BadInputError(
                 f"unreadable record at or after this row ({type(e).__name__}: {e})",
