@@ -140,7 +140,7 @@ def test_every_document_exactly_once_per_epoch(request, tokenizer, fixture, rank
     for r in range(ranks):
         for w in range(workers):
             ds = ds_for(src, tokenizer, (w, workers), dp_rank=r, dp_world_size=ranks)
-            assert ds._shard_level(S) == (mode == "shard")
+            assert ds._source.shard_level(S) == (mode == "shard")
             slot = r * workers + w
             for e in per_epoch:
                 per_epoch[e] += [
@@ -456,8 +456,8 @@ def test_unequal_window_pieces_fall_back_to_example_level(corpus, tokenizer):
     would let the slot holding the small piece race ahead by epochs."""
     src, _ = corpus
     ds = ds_for(src, tokenizer, max_documents=130, infinite=False)
-    assert [p.hi - p.lo for p in ds._pieces] == [60, 60, 10]
-    assert not ds._shard_level(3) and ds_for(src, tokenizer)._shard_level(4)
+    assert [p.hi - p.lo for p in ds._source.pieces] == [60, 60, 10]
+    assert not ds._source.shard_level(3) and ds_for(src, tokenizer)._source.shard_level(4)
     sizes = [sum(1 for _ in ds._epoch_stream(0, 0, s, 3)) for s in range(3)]
     assert sorted(sizes) == [43, 43, 44]
 
@@ -468,8 +468,12 @@ def test_offset_counts_only_the_shards_it_needs(tmp_path, tokenizer):
     docs = make_docs(80, seed=7)
     src = write_jsonl(tmp_path / "j", docs, 4)
     ds = ds_for(src, tokenizer, skip_first=25, shuffle=False)
-    assert ds._known == {0: 20, 1: 20}
-    assert [(p.shard, p.lo, p.hi) for p in ds._pieces] == [(1, 5, 20), (2, 0, None), (3, 0, None)]
+    assert ds._source.known == {0: 20, 1: 20}
+    assert [(p.shard, p.lo, p.hi) for p in ds._source.pieces] == [
+        (1, 5, 20),
+        (2, 0, None),
+        (3, 0, None),
+    ]
     x, _ = next(iter(ds))
     assert x["input"][:3].tolist() == tokenizer.encode(docs[25], add_bos=False)[:3]
     assert ds.num_documents() == 55

@@ -96,7 +96,7 @@ def test_example_train_config_has_eval_offset(tmp_path, monkeypatch):
     ev_dl = ev_cfg.build(dp_rank=0, dp_world_size=1, **kw)
     ds = ev_dl.streaming_dataset
     assert ds.num_documents() == 300
-    assert ds._doc_id(ds._pieces[0].shard, ds._pieces[0].lo) == 1000
+    assert ds._doc_id(ds._source.pieces[0].shard, ds._source.pieces[0].lo) == 1000
     x, _ = next(iter(ev_dl))
     tr_cfg = dataclasses.replace(train, num_workers=0)
     tr = tr_cfg.build(dp_rank=0, dp_world_size=1, **kw)

@@ -243,14 +243,6 @@ class StreamingTextDataset(IterableDataset):
         self.n_shards = self._source.n_shards
         self._files = self._source.files
 
-    @property
-    def _pieces(self) -> list[Piece]:
-        return self._source.pieces
-
-    @property
-    def _known(self) -> dict[int, int]:
-        return self._source.known
-
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["_doc_iter"] = None  # a live generator; rebuilt from (epoch, consumed)
@@ -267,9 +259,6 @@ class StreamingTextDataset(IterableDataset):
 
     def _doc_id(self, shard: int, row: int) -> int:
         return self._source.doc_id(shard, row)
-
-    def _shard_level(self, nslots: int) -> bool:
-        return self._source.shard_level(nslots)
 
     def _epoch_stream(
         self, epoch: int, start: int, slot: int, nslots: int
