@@ -265,11 +265,17 @@ def test_job_errors(tmp_path, env, body, model, match):
         own_checks(job(tmp_path, body, **model))
 
 
-def _copy_cache(env, tmp_path: Path, **special: int) -> Path:
+def _copy_cache(env, tmp_path: Path, counts: dict | None = None, **special: int) -> Path:
+    """A copy of the cache whose manifest says other special tokens / counts, re-signed (the
+    digest matches), as a cache built that way would be."""
+    from torchtitan_ext.vl.format import manifest_digest
+
     dst = tmp_path / "cache_copy"
     shutil.copytree(env["cache"], dst)
     meta = json.loads((dst / "metadata.json").read_text())
     meta["special_tokens"].update(special)
+    meta["counts"].update(counts or {})
+    meta["digest"] = manifest_digest(meta)
     (dst / "metadata.json").write_text(json.dumps(meta))
     return dst
 
@@ -282,6 +288,40 @@ def test_cache_tokens_must_fit_the_model(tmp_path, env):
         checked(job(tmp_path, body))
     ok = LOADER + f'cache_path = "{env["cache"]}"\n[training]\nseq_len = 1024\n'
     checked(job(tmp_path, ok))
+
+
+def test_explicit_cache_must_read_and_hold_packs_for_every_rank(tmp_path, env):
+    """An explicit cache_path whose manifest is damaged, that holds no packs, or fewer packs
+    than ranks (remainder "drop") is a config error before anything is built."""
+    cache = _copy_cache(env, tmp_path)
+    body = LOADER + f'cache_path = "{cache}"\n[training]\nseq_len = 1024\n'
+    checked(job(tmp_path, body))  # a re-signed copy is a good cache
+    meta = json.loads((cache / "metadata.json").read_text())
+    meta["counts"]["rows_read"] += 1  # edited, not re-signed
+    (cache / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"cache_path = .*metadata.json.*counts"):
+        checked(job(tmp_path, body))
+    # more ranks than packs: each rank would get none with remainder "drop"
+    cfg = load_config(job(tmp_path, LOADER + f'cache_path = "{env["cache"]}"\n'))
+    n = int(env["vl"].metadata["counts"]["packs"])
+    with pytest.raises(ConfigError, match=rf"holds {n} packs, fewer than the {n + 1} data-par"):
+        preflight.run(cfg, "job.toml", world_size=n + 1)
+    # a real build in which every row was skipped
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchtitan_ext.vl.build import build_cache
+
+    src = tmp_path / "bad"
+    src.mkdir()
+    pq.write_table(
+        pa.table({"image": [b"not an image"], "question": ["q"], "answer": ["a"]}),
+        src / "rows.parquet",
+    )
+    empty = build_cache(src, "train", tmp_path / "caches", 1024, 16, show_progress=False)
+    body = LOADER + f'cache_path = "{empty}"\n[training]\nseq_len = 1024\n'
+    with pytest.raises(ConfigError, match=r"holds no packs: all 1 rows read were skipped"):
+        checked(job(tmp_path, body))
 
 
 def test_pack_length_must_be_the_caches(tmp_path, env):

@@ -68,6 +68,27 @@ def test_sample_dataset_is_deterministic(tmp_path):
     assert ta.equals(tb)
 
 
+def test_preprocess_with_no_usable_row_exits_2_naming_the_reasons(env, tmp_path, capsys):
+    """A build in which every row was skipped made a cache no loader can read: exit 2, one
+    error line with the skip reasons (was: exit 0, and a traceback when training started)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "bad"
+    src.mkdir()
+    pq.write_table(
+        pa.table(
+            {"image": [b"not an image", b"\xff\xd8"], "question": ["q", "q2"], "answer": ["a", "b"]}
+        ),
+        src / "rows.parquet",
+    )
+    rc = PP.main(["--dataset", str(src), "--cache-dir", str(tmp_path / "c"), "--seq-len", "1024",
+                  "--num-workers", "0", "--quiet"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "no usable rows" in err[0] and "2 skipped" in err[0] and "corrupt_image" in err[0]
+
+
 def test_preprocess_cli_output_and_reuse(env, built, capsys):
     rc = PP.main(_cli_args(env))
     out = capsys.readouterr().out

@@ -105,3 +105,32 @@ def check_text_data(job: Job) -> None:
         else:
             continue
         check_text_column(files, loader_cfg, section, job.file)
+
+
+def check_vl_cache(job: Job) -> None:
+    """For ``cached_vl`` with an explicit ``cache_path``: the manifest reads and checks (digest,
+    fields; the same :func:`~torchtitan_ext.vl.format.read_manifest` the reader uses), and the
+    cache holds packs for every data-parallel rank. A key lookup (``cache_dir``) is left to the
+    loader: finding that cache means fingerprinting the source data, not a preflight's job."""
+    for section, loader_cfg in job.loaders():
+        path = getattr(loader_cfg, "cache_path", None)
+        if loader_name(loader_cfg) != "cached_vl" or not path:
+            continue
+        from torchtitan_ext.vl.format import CacheError, read_manifest
+
+        where = f"{job.file}: [{section}] cache_path = {path!r}"
+        try:
+            counts = read_manifest(Path(path))["counts"]
+        except CacheError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        packs, dp = int(counts["packs"]), job.dp_degree
+        if packs == 0:
+            raise ConfigError(
+                f"{where} holds no packs: all {counts.get('rows_read', '?')} rows read were "
+                f"skipped (`inspect-cache --cache-dir {path}` lists why)"
+            )
+        if packs < dp and getattr(loader_cfg, "remainder", "drop") == "drop":
+            raise ConfigError(
+                f"{where} holds {packs} packs, fewer than the {dp} data-parallel ranks: every "
+                f"rank would get none; set [{section}] remainder = 'wrap' or use more data"
+            )

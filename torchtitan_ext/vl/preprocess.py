@@ -176,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         f"packs {st['packs']}  samples {st['samples_packed']}  skipped {st['skipped_total']} "
         f"{st['skipped']}  fill {st['fill_pct']['mean']}%  ({dt:.1f}s this run)"
     )
+    if not st["packs"]:  # a cache no loader can read: the build did not do its job
+        print(
+            f"preprocess-cached: error: no usable rows in {a.dataset} ({a.split}): "
+            f"{st['skipped_total']} skipped {st['skipped']}; the cache at {path} holds no packs",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

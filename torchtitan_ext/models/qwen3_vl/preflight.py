@@ -22,7 +22,6 @@ the file and the key to change, and none needs the model, the cache's data or a 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -167,10 +166,12 @@ def _check_explicit_cache(
     path = getattr(loader, "cache_path", None)
     if not path:
         return
-    meta_file = Path(path) / "metadata.json"
-    if not meta_file.is_file():
-        raise fail(f"[{where}] cache_path = {path!r} is not a cache directory (no metadata.json)")
-    meta = json.loads(meta_file.read_text())
+    from torchtitan_ext.vl.format import CacheError, read_manifest
+
+    try:  # checked already by the common VL-cache preflight, which runs first
+        meta = read_manifest(Path(path))
+    except CacheError as e:
+        raise fail(f"[{where}] cache_path = {path!r}: {e}") from None
     problems = _token_problems(
         hf_config,
         meta.get("special_tokens", {}),
