@@ -181,6 +181,34 @@ def test_missing_text_column_suggests_text_column(launch, tmp_path, docs):
     )
 
 
+@pytest.mark.parametrize(
+    "column,other,needle",
+    [
+        ("int64", "title", "text_column = 'title'"),
+        ("list<element: string>", None, "this file has none"),
+    ],
+    ids=["int-with-a-string-column", "list-without-one"],
+)
+def test_text_column_that_is_not_text(launch, tmp_path, column, other, needle):
+    """A `text` column of another type (numbers, lists) is one line naming its type and a string
+    column to use, before the model is built (was: a traceback from the loader's thread)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 50
+    cols = {"text": pa.array(list(range(n))) if column == "int64" else pa.array([["a", "b"]] * n)}
+    if other:
+        cols[other] = pa.array([f"document {i}" for i in range(n)])
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table(cols), tmp_path / "d" / "part-0.parquet")
+    assert_config_error(
+        launch(job("--dataloader.dataset_path", str(tmp_path / "d"))),
+        "text_column = 'text' is not a text column in",
+        f"its type is {column}",
+        needle,
+    )
+
+
 def test_held_out_files_are_named_with_their_rule(tmp_path, docs):
     data = write_parquet(tmp_path / "d", docs, files=3)
     cfg = load_config(

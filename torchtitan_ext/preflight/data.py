@@ -14,21 +14,24 @@ from torchtitan_ext.toml_config import ConfigError
 
 
 def _string_columns(schema: Any) -> list[str]:
-    import pyarrow as pa
+    """The columns the loaders read as text (the loaders' own rule, ``text.columns.text_kind``)."""
+    from torchtitan_ext.text.columns import text_kind
 
-    ok = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary)
-    return [n for n, t in zip(schema.names, schema.types, strict=True) if any(f(t) for f in ok)]
+    return [n for n, t in zip(schema.names, schema.types, strict=True) if text_kind(t)]
 
 
 def check_text_column(files: list[Path], loader_cfg: Any, section: str, file: str) -> None:
-    """``text_column`` is a column of every file (with ``on_bad_input = "skip"``: of at least
-    one), naming the string columns there are otherwise."""
+    """``text_column`` is a text column of every file (with ``on_bad_input = "skip"``: of at
+    least one), naming the string columns there are otherwise."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from torchtitan_ext.text.columns import text_kind
 
     column = loader_cfg.text_column
     skip = getattr(loader_cfg, "on_bad_input", "error") == "skip"
     missing: list[tuple[Path, Any]] = []
+    not_text: list[tuple[Path, Any]] = []
     for f in files:
         try:
             schema = pq.read_schema(f)
@@ -41,14 +44,23 @@ def check_text_column(files: list[Path], loader_cfg: Any, section: str, file: st
             ) from None
         if column not in schema.names:
             missing.append((f, schema))
-    if missing and (not skip or len(missing) == len(files)):
-        f, schema = missing[0]
-        cols = _string_columns(schema) or list(schema.names)
-        use = f"text_column = {cols[0]!r}" if len(cols) == 1 else f"text_column to one of {cols}"
-        raise ConfigError(
-            f"{file}: [{section}] text_column = {column!r} is not a column of {f} "
-            f"({len(missing)} of {len(files)} file(s) lack it); set [{section}] {use}"
-        )
+        elif text_kind(schema.field(column).type) is None:
+            not_text.append((f, schema))
+    for bad, what in ((missing, "is not a column of"), (not_text, "is not a text column in")):
+        if bad and (not skip or len(bad) == len(files)):
+            f, schema = bad[0]
+            cols = [c for c in _string_columns(schema) if c != column]
+            if not cols:
+                use = "text_column to a string column (this file has none: write the text as one)"
+            elif len(cols) == 1:
+                use = f"text_column = {cols[0]!r}"
+            else:
+                use = f"text_column to one of {cols}"
+            kind = f" (its type is {schema.field(column).type})" if bad is not_text else ""
+            raise ConfigError(
+                f"{file}: [{section}] text_column = {column!r} {what} {f}{kind} "
+                f"({len(bad)} of {len(files)} file(s)); set [{section}] {use}"
+            )
 
 
 def _parquet_split(job: Job, section: str, loader_cfg: Any) -> list[Path]:
