@@ -127,7 +127,7 @@ def format_table(s: dict[str, Any]) -> str:
         ("float32 layout bytes per pack", _fmt_bytes(s["float32_bytes_per_pack"])),
         (
             "ratio vs float32",
-            f"{s['ratio_vs_float32']:.4f} (1/{1 / max(s['ratio_vs_float32'], 1e-12):.2f})",
+            f"{r:.4f} (1/{1 / r:.2f})" if (r := s["ratio_vs_float32"]) else "n/a (no packs)",
         ),
         ("total on disk", _fmt_bytes(s["bytes_total"])),
     ]
