@@ -84,6 +84,23 @@ class ModelSection:
     """Attention backend for the flavor (``flex``, ``sdpa``, ``varlen``); None keeps the
     function's. On a machine without CUDA, Flex/varlen are swapped for SDPA (no CPU backward)."""
 
+    freeze: list[str] | None = None
+    """Components whose weights stay fixed (no gradient, no optimizer state, left out of the
+    gradient norm). qwen3_vl: any of ``vision``, ``merger``, ``language_model``,
+    ``embeddings``, ``lm_head``. None keeps the model's default (nothing frozen)."""
+
+    patch_embed: str | None = None
+    """qwen3_vl: how the vision tower embeds patches, ``conv`` (transformers' Conv3d) or
+    ``matmul`` (the same weights as one matrix multiply; kernel = stride makes them equal).
+    None keeps the model's default."""
+
+
+# ModelSection fields set on the model's own Config after every layer (the model's Config owns
+# their defaults and validation): a model whose Config has no such field refuses the key.
+MODEL_OPTIONS = ("freeze", "patch_embed")
+# The fields that pick the defaults layer itself (read before the TOML's other sections).
+BASE_KEYS = ("module", "config", "flavor", "attn_backend")
+
 
 @dataclass(kw_only=True, slots=True)
 class StagingSection:
@@ -268,7 +285,8 @@ def load_config(
     for k, v in cli.model_overrides(args).items():
         if k not in model_keys:
             raise ConfigError(f"unknown option --model.{k}; valid: {model_keys}")
-        setattr(model, k, v)
+        if k in BASE_KEYS:  # the others (lists among them) are tyro's to parse
+            setattr(model, k, v)
 
     loader_name, args = cli.take_option(args, "--dataloader.name")
     if loader_name is not None:
@@ -328,8 +346,28 @@ def check_consistency(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
         )
 
 
+def apply_model_options(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
+    """Copy the set :data:`MODEL_OPTIONS` of ``[model]`` onto the model's Config (after the
+    command line, so ``--model.freeze`` counts); values are the model's to check (preflight)."""
+    model_cfg = cfg.model_spec.model
+    for name in MODEL_OPTIONS:
+        value = getattr(cfg.model, name)
+        if value is None:
+            continue
+        if not hasattr(model_cfg, name):
+            raise ConfigError(
+                f"{file}: [model] {name}: model {cfg.model_spec.name!r} has no such option "
+                "(a qwen3_vl setting); remove the key"
+            )
+        if isinstance(value, list):  # --model.freeze vision,merger
+            value = [v.strip() for item in value for v in str(item).split(",") if v.strip()]
+            setattr(cfg.model, name, value)
+        setattr(model_cfg, name, value)
+
+
 def finalize(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
     check_consistency(cfg, file)
+    apply_model_options(cfg, file)
     resolve_paths(cfg)
 
 

@@ -40,6 +40,13 @@ one tested here (CPU); "flex" builds per-sample BlockMasks from the position ids
 here); "eager" is the reference."""
 
 
+COMPONENTS = ("vision", "merger", "language_model", "embeddings", "lm_head")
+"""Names ``[model] freeze`` accepts (which parameters each covers: ``component_of``)."""
+
+PATCH_EMBEDS = ("conv", "matmul")
+"""``[model] patch_embed``: transformers' Conv3d, or the same weights as one matmul."""
+
+
 def hf_model_class(flavor_cfg: dict[str, Any]) -> type:
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
@@ -70,6 +77,12 @@ class Qwen3VLModel(BaseModel):
 
         attn_backend: str = "sdpa"
         """Key of :data:`ATTN_BACKENDS`."""
+
+        freeze: list[str] = field(default_factory=list)
+        """Components kept fixed (``[model] freeze``): keys of :data:`COMPONENTS`."""
+
+        patch_embed: str = "conv"
+        """``[model] patch_embed``: a key of :data:`PATCH_EMBEDS`."""
 
         def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
             # Nothing to take from the job: the HF config is complete, and the token ids, pack
