@@ -4,6 +4,8 @@
 #   make test   : venv + install, then the test suite (random order, HOME must stay empty)
 #   make test-alone : every test in its own pytest process (slow: ~45 min on 2 cores with PYTEST_ARGS="-j 2")
 #   make bench-results : every benchmark, then benchmarks/RESULTS.md
+#   make gpu-check : the GPU acceptance run (CUDA tests, staging, Qwen3-VL compile/sdpa/flex, a 2B
+#                    flavor's step time, MFU, data wait, memory); says so and exits 0 without CUDA
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +17,7 @@ PYTEST_ARGS ?=
 
 VL_CONFIG ?= train_configs/qwen3_vl_tiny_cpu.toml
 
-.PHONY: setup demo demo-resume demo-vl test test-fast test-alone lint bench bench-results clean-demo
+.PHONY: setup demo demo-resume demo-vl test test-fast test-alone lint bench bench-results clean-demo gpu-check
 
 setup: $(STAMP)
 
@@ -81,3 +83,9 @@ bench: setup
 BENCH_ARGS ?=
 bench-results: setup
 	$(PY) -m benchmarks --results $(BENCH_ARGS)
+
+# The GPU acceptance run: one table of pass/fail checks and figures (rows also in
+# outputs/gpu_check/results.json). GPU_CHECK_ARGS="--quick" for a smoke run.
+GPU_CHECK_ARGS ?=
+gpu-check: setup
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -1,0 +1,394 @@
+"""The GPU acceptance run: one command that says whether this checkout's CUDA paths work, and
+how fast, on the first GPU it meets.
+
+    make gpu-check                         # or: python scripts/gpu_check.py [--quick] [--flavor 2B]
+
+Each check runs in its own process (a failure in one leaves the others' figures) and adds rows
+to one table printed at the end; the rows are also written as JSON to
+``outputs/gpu_check/results.json``. Exit 0 when every check passed, 1 otherwise. On a machine
+without CUDA it says so and exits 0 (nothing to check).
+
+1. **CUDA tests**: the suite's ``cuda``-marked tests (staging on a device, pinned buffers, GPU
+   pixel normalisation, ...).
+2. **Staging**: a small LM step fed by ``AsyncDeviceLoader`` vs the same step on batches already
+   on the device (the ``staging`` benchmark's GPU case; target <= 1.02x).
+3. **Tiny Qwen3-VL on the GPU**, through the launcher (``train_configs/qwen3_vl_tiny_cpu.toml``,
+   fp32): eager SDPA (the reference), ``--compile.enable`` (inductor) and the ``flex`` backend;
+   the losses must agree with the reference, and for SDPA and flex a pack's logits must equal
+   its samples run alone (``packed == unpacked``: attention stays within each sample).
+4. **Patch embedding**: transformers' Conv3d vs the equal matmul (``[model] patch_embed``) at the
+   2B vision tower's size in bf16, forward + backward; the faster is the one to default to.
+5. **A mid-size flavor** (``--flavor``, default 2B; random init, one GPU, bf16, 4096-token packs
+   from the shipped sample set, staging with pixels normalised on the device): steady-state step
+   time, MFU, the data-wait share of the step and peak memory, eager and compiled. The flavor's
+   image/video token ids are set to the embedded processor's (its vocabulary is small and fits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml"
+OUT_DIR = REPO / "outputs" / "gpu_check"
+
+
+@dataclass
+class Result:
+    check: str
+    ok: bool | None
+    """True passed, False failed, None measured only (no pass/fail)."""
+    value: str
+    note: str = ""
+
+
+# ------------------------------------------------------------------------------ helpers
+def _env(work: Path) -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",
+        TORCHTITAN_EXT_CACHE=str(work / "home"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def _run(cmd: list[str], work: Path, timeout: int) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            cmd, cwd=REPO, env=_env(work), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout} s")
+
+
+def _tail(p: subprocess.CompletedProcess[str], n: int = 300) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", (p.stdout or "") + (p.stderr or "")).strip()
+    last = text.splitlines()[-1] if text else ""
+    return f"exit {p.returncode}: {last[-n:]}"
+
+
+def _steps(text: str) -> dict[int, dict[str, float]]:
+    """Step lines of torchtitan's log -> {step: {"loss": .., "tps": ..}}."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    out: dict[int, dict[str, float]] = {}
+    for m in re.finditer(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)(.*)", text):
+        d = {"loss": float(m.group(2))}
+        tps = re.search(r"tps:\s*([0-9,]+)", m.group(3))
+        if tps:
+            d["tps"] = float(tps.group(1).replace(",", ""))
+        out.setdefault(int(m.group(1)), d)
+    return out
+
+
+# ------------------------------------------------------------------------------ the checks
+def check_cuda_tests(work: Path, quick: bool) -> list[Result]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:randomly", "tests"]
+    p = _run(cmd, work, timeout=1200)
+    summary = next(
+        (ln for ln in reversed(p.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", ln)),
+        _tail(p),
+    )
+    return [Result("CUDA-marked tests", p.returncode == 0, summary.strip("= "))]
+
+
+def check_staging(work: Path, quick: bool) -> list[Result]:
+    cmd = [sys.executable, "-m", "benchmarks", "staging", "--out-dir", str(work / "bench")]
+    cmd += ["--quick"] if quick else []
+    p = _run(cmd, work, timeout=1200)
+    found = sorted((work / "bench").glob("staging*.json"))
+    if p.returncode != 0 or not found:
+        return [Result("staging: staged / resident step", False, _tail(p))]
+    rows = json.loads(found[0].read_text())["rows"]
+    out = []
+    for r in rows:
+        if r["case"].startswith("GPU step time"):
+            v = r["value"]
+            out.append(Result(r["case"], r.get("met"), f"{v:.3f}x (target {r.get('target')})"))
+    return out or [Result("staging: staged / resident step", False, "no GPU rows produced")]
+
+
+def _tiny(work: Path, name: str, args: list[str], steps: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torchtitan_ext.train", "--config-file", str(TINY)]
+    cmd += ["--training.steps", str(steps), "--dataloader.max_samples", "48"]
+    cmd += ["--checkpoint.no-enable", "--dump_folder", str(work / name)]
+    cmd += ["--dataloader.cache_dir", str(work / "cache"), *args]
+    return _run(cmd, work, timeout=900)
+
+
+def check_tiny_vl(work: Path, quick: bool) -> list[Result]:
+    steps = 6 if quick else 12
+    variants = {
+        "eager sdpa": [],
+        "compiled sdpa (inductor)": ["--compile.enable", "--compile.backend", "inductor"],
+        "eager flex": ["--model.attn_backend", "flex"],
+        "compiled flex (inductor)": ["--model.attn_backend", "flex", "--compile.enable"],
+    }
+    out: list[Result] = []
+    ref: dict[int, dict[str, float]] | None = None
+    for name, args in variants.items():
+        t0 = time.perf_counter()
+        p = _tiny(work, re.sub(r"\W+", "_", name), args, steps)
+        wall = time.perf_counter() - t0
+        got = _steps(p.stdout + p.stderr)
+        if p.returncode != 0 or len(got) != steps:
+            out.append(Result(f"tiny qwen3_vl {name}", False, _tail(p)))
+            continue
+        ref = ref or got
+        worst = max(abs(got[s]["loss"] - ref[s]["loss"]) / ref[s]["loss"] for s in ref)
+        tps = statistics.median(
+            got[s].get("tps", float("nan")) for s in range(steps // 2, steps + 1)
+        )
+        out.append(
+            Result(
+                f"tiny qwen3_vl {name}: losses vs eager sdpa",
+                worst <= 2e-3,
+                f"max rel diff {worst:.1e}; tps {tps:,.0f}; wall {wall:.0f} s",
+                "steady-state tps: median of the second half of the steps",
+            )
+        )
+    for backend in ("sdpa", "flex"):
+        res = work / f"pack_{backend}.json"
+        cmd = [sys.executable, "-m", "tests.support.qwen3_vl_probe", "pack", str(res)]
+        cmd += ["--config-file", str(TINY), "--model.attn_backend", backend]
+        cmd += ["--dataloader.max_samples", "24", "--checkpoint.no-enable"]
+        cmd += ["--dataloader.cache_dir", str(work / "cache"), "--dump_folder", str(work / "probe")]
+        p = _run(cmd, work, timeout=600)
+        if p.returncode != 0 or not res.is_file():
+            out.append(Result(f"packed == unpacked ({backend})", False, _tail(p)))
+            continue
+        r = json.loads(res.read_text())
+        ok = r["max_abs_dlogit"] <= 1e-3 and r["samples"] >= 3
+        out.append(
+            Result(
+                f"packed == unpacked ({backend})",
+                ok,
+                f"max |dlogit| {r['max_abs_dlogit']:.1e} over {r['samples']} samples, "
+                f"{r['images']} images",
+            )
+        )
+    return out
+
+
+def check_patch_embed(work: Path, quick: bool) -> list[Result]:
+    res = work / "patch_embed.json"
+    p = _run([sys.executable, str(Path(__file__)), "--worker", "patch_embed", str(res)], work, 600)
+    if p.returncode != 0 or not res.is_file():
+        return [Result("patch embedding conv vs matmul", False, _tail(p))]
+    r = json.loads(res.read_text())
+    pick = "matmul" if r["matmul_ms"] < r["conv_ms"] else "conv"
+    return [
+        Result(
+            "patch embedding (2B vision, bf16, fwd+bwd)",
+            r["max_abs_diff"] <= 5e-2,
+            f"conv {r['conv_ms']:.2f} ms, matmul {r['matmul_ms']:.2f} ms -> faster: {pick}",
+            f"{r['patches']} patches; max |out diff| {r['max_abs_diff']:.1e} (bf16)",
+        )
+    ]
+
+
+def check_midsize(work: Path, quick: bool, flavor: str) -> list[Result]:
+    out = []
+    for name, args in {"eager": [], "compiled": ["--compile.enable"]}.items():
+        res = work / f"mid_{name}.json"
+        cmd = [sys.executable, str(Path(__file__)), "--worker", "midsize", str(res), flavor]
+        cmd += ["--quick"] if quick else []
+        p = _run(cmd + ["--", *args, "--dataloader.cache_dir", str(work / "cache")], work, 1500)
+        if p.returncode != 0 or not res.is_file():
+            out.append(Result(f"{flavor} random init, {name}", False, _tail(p)))
+            continue
+        r = json.loads(res.read_text())
+        out.append(
+            Result(
+                f"{flavor} random init, {name}",
+                None,
+                f"{r['step_ms']:.0f} ms/step, MFU {r['mfu']:.1f} %, data wait "
+                f"{r['wait_share']:.1f} %, peak {r['peak_gib']:.1f} GiB",
+                f"{r['tokens']} tokens/step, {r['steps']} timed steps after {r['warmup']}; "
+                f"first step {r['first_step_s']:.1f} s",
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------ workers
+def _worker_patch_embed(res: str) -> None:
+    import torch
+    from torchtitan_ext.models.qwen3_vl.patch_embed import use_matmul_patch_embed
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmbed
+
+    from torchtitan_ext.models.qwen3_vl.flavors import flavor_config
+
+    cfg = Qwen3VLConfig(**flavor_config("2B")).vision_config
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    conv = Qwen3VLVisionPatchEmbed(cfg).to(dev, torch.bfloat16)
+    mm = Qwen3VLVisionPatchEmbed(cfg).to(dev, torch.bfloat16)
+    mm.load_state_dict(conv.state_dict())
+    use_matmul_patch_embed(mm)
+    n = 16384
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    x = torch.randn(n, width, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def time_ms(m: torch.nn.Module) -> float:
+        for _ in range(3):
+            m(x).float().sum().backward()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            m(x).float().sum().backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 20 * 1e3
+
+    with torch.no_grad():
+        diff = (conv(x) - mm(x)).abs().max().item()
+    doc = {"conv_ms": time_ms(conv), "matmul_ms": time_ms(mm), "max_abs_diff": diff, "patches": n}
+    Path(res).write_text(json.dumps(doc))
+
+
+def _worker_midsize(res: str, flavor: str, quick: bool, argv: list[str]) -> None:
+    from torchtitan_ext.train import ensure_single_process_env
+
+    ensure_single_process_env()
+    import torch
+
+    from torchtitan_ext import cpu_compat, preflight
+    from torchtitan_ext.config import load_config
+    from torchtitan_ext.models.qwen3_vl.flavors import OFFLINE_TOKEN_IDS
+
+    cpu_compat.apply()
+    seq = 4096
+    args = ["--model.flavor", flavor, "--training.seq_len", str(seq)]
+    args += ["--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16"]
+    args += ["--dataloader.buckets", "2048", "3072", "--dataloader.normalize_on", "device"]
+    args += ["--staging.enable", "--checkpoint.no-enable"]
+    args += ["--dump_folder", str(Path(res).parent / f"mid_{flavor}"), "--training.steps", "1000"]
+    cfg = load_config(str(TINY), args + argv)
+    cfg.model_spec.model.hf_config.update(OFFLINE_TOKEN_IDS)  # the embedded processor's ids
+    cpu_compat.adapt_config(cfg)
+    preflight.run(cfg, str(TINY))
+    trainer = cfg.build()
+    mp = trainer.metrics_processor
+    mp.log = lambda *a, **k: None  # no log lines (and no reset of the wait list) while timing
+    it = trainer.batch_generator(trainer.dataloader)
+    warmup, steps = (3, 5) if quick else (5, 20)
+    step_s, wait_s, tokens = [], [], []
+    cuda = torch.cuda.is_available()  # False only in the CPU smoke test of this worker
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup + steps):
+        mp.data_loading_times.clear()
+        mp.ntokens_since_last_log = 0
+        trainer.step += 1
+        t0 = time.perf_counter()
+        trainer.train_step(it)
+        sync()
+        step_s.append(time.perf_counter() - t0)
+        wait_s.append(sum(mp.data_loading_times))
+        tokens.append(mp.ntokens_since_last_log)
+    timed = slice(warmup, None)
+    step = statistics.median(step_s[timed])
+    tps = statistics.median(t / s for t, s in zip(tokens[timed], step_s[timed], strict=True))
+    doc = {
+        "step_ms": 1e3 * step,
+        "first_step_s": step_s[0],
+        "mfu": 100 * mp.num_flops_per_token * tps / mp.gpu_peak_flops,
+        "wait_share": 100
+        * statistics.median(w / s for w, s in zip(wait_s[timed], step_s[timed], strict=True)),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        "tokens": int(statistics.median(tokens[timed])),
+        "steps": steps,
+        "warmup": warmup,
+    }
+    trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    Path(res).write_text(json.dumps(doc))
+
+
+# ------------------------------------------------------------------------------ main
+def _table(results: list[Result]) -> str:
+    mark = {True: "ok", False: "FAIL", None: "--"}
+    w = max(len(r.check) for r in results)
+    lines = [f"{'check':<{w}}  {'':4}  result", f"{'-' * w}  ----  {'-' * 40}"]
+    for r in results:
+        lines.append(f"{r.check:<{w}}  {mark[r.ok]:4}  {r.value}")
+        if r.note:
+            lines.append(f"{'':<{w}}        ({r.note})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="GPU acceptance run: CUDA tests, staging, tiny Qwen3-VL (compile, sdpa, "
+        "flex), patch embedding, a mid-size flavor's step time / MFU / data wait / memory."
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    ap.add_argument("--flavor", default="2B", help="mid-size flavor to time (default 2B)")
+    ap.add_argument("--only", default="", help="comma-separated subset: tests,staging,tiny,"
+                    "patch_embed,midsize")  # fmt: skip
+    ns = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine; the GPU acceptance run needs one "
+              "(nothing was run).")  # fmt: skip
+        return 0
+    print(f"gpu-check on {torch.cuda.get_device_name(0)} (torch {torch.__version__})", flush=True)
+    checks = {
+        "tests": check_cuda_tests,
+        "staging": check_staging,
+        "tiny": check_tiny_vl,
+        "patch_embed": check_patch_embed,
+        "midsize": lambda w, q: check_midsize(w, q, ns.flavor),
+    }
+    only = [c for c in ns.only.split(",") if c] or list(checks)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=OUT_DIR))
+    results: list[Result] = []
+    for name in only:
+        t0 = time.perf_counter()
+        print(f"==> {name} ...", flush=True)
+        try:
+            got = checks[name](work, ns.quick)
+        except Exception as e:  # one check's crash is its row, the others still run
+            got = [Result(name, False, f"{type(e).__name__}: {e}")]
+        results.extend(got)
+        print(_table(got), f"\n    ({time.perf_counter() - t0:.0f} s)", flush=True)
+    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in results]}  # fmt: skip
+    (OUT_DIR / "results.json").write_text(json.dumps(doc, indent=2))
+    print("\n" + _table(results))
+    print(f"\n(rows as JSON: {OUT_DIR / 'results.json'})")
+    return 1 if any(r.ok is False for r in results) else 0
+
+
+def _worker(argv: list[str]) -> int:
+    kind, res = argv[0], argv[1]
+    if kind == "patch_embed":
+        _worker_patch_embed(res)
+    else:
+        rest = argv[2:]
+        sep = rest.index("--") if "--" in rest else len(rest)
+        flags = rest[:sep]
+        _worker_midsize(res, flags[0], "--quick" in flags, rest[sep + 1 :])
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(_worker(sys.argv[2:]))
+    sys.exit(main())
