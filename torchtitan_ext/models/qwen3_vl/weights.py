@@ -246,8 +246,7 @@ def check_checkpoint(
         t = found[key]
         if t.shape != shape:
             raise WeightsError(
-                f"{d / t.file}: tensor {key!r} has shape {list(t.shape)}; {who} needs "
-                f"{list(shape)}"
+                f"{d / t.file}: tensor {key!r} has shape {list(t.shape)}; {who} needs {list(shape)}"
             )
         if t.dtype not in FLOAT_DTYPES:
             kind = "a quantized" if t.dtype.startswith("F") else "a non-floating-point"
