@@ -172,11 +172,22 @@ def _dcp_offsets(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
         ) from None
 
 
-def expected_tensors(
-    model_config: Any, hf_assets_path: str | None
-) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], list[str]]:
-    """(tensors the checkpointer will read -> shape, model tensors it does not read -> shape,
-    regexes of checkpoint tensors the model ignores). From the flavor's model on the meta device
+@dataclass(frozen=True)
+class Expected:
+    """What the checkpointer will ask a checkpoint for (:func:`expected_tensors`)."""
+
+    read: dict[str, tuple[int, ...]]
+    """Tensor -> the shape the checkpointer reads it in (the checkpoint's names and layout)."""
+    unread: dict[str, tuple[int, ...]]
+    """Model tensors it does not read (the tied ``lm_head.weight``) -> the model's shape."""
+    ignored: list[str]
+    """Regexes of checkpoint tensors the model ignores."""
+    model: dict[str, tuple[int, ...]]
+    """The model's own shape of each tensor read in another one (fused experts, transposed)."""
+
+
+def expected_tensors(model_config: Any, hf_assets_path: str | None) -> Expected:
+    """What the checkpointer will read, from the flavor's model on the meta device
     through the checkpointer's adapter (built with ``hf_assets_path`` as torchtitan builds it:
     the fused-expert layout it asks for is the checkpoint's there). Not read: the tied
     ``lm_head.weight`` (it is the embedding). Ignored, as transformers ignores them: saved copies
@@ -201,12 +212,24 @@ def expected_tensors(
             f"hf_assets_path {hf_assets_path!r}: its safetensors headers / index do not read "
             f"({type(e).__name__}: {e})"
         ) from None
-    expected = {k: tuple(v.shape) for k, v in hf.items()}
-    unread = {k: tuple(v.shape) for k, v in state.items() if k not in hf}
     ignored = [re.escape(n) + "$" for n, _ in model.named_buffers() if n not in state]
     ignored.append(r"rotary_emb\.inv_freq")
     ignored += list(hf_model_class(model_config.hf_config)._keys_to_ignore_on_load_unexpected or [])
-    return expected, unread, ignored
+    return Expected(
+        read={k: tuple(v.shape) for k, v in hf.items()},
+        unread={k: tuple(v.shape) for k, v in state.items() if k not in hf},
+        ignored=ignored,
+        model={k: tuple(state[k].shape) for k, v in hf.items() if state[k].shape != v.shape},
+    )
+
+
+def _layouts(want: Expected, key: str, source: Path, hf_assets_path: str | None) -> str:
+    """The other fused-expert layout the adapter would accept for ``key`` ('' if none)."""
+    if key not in want.model:
+        return ""
+    if hf_assets_path and source.resolve() == Path(hf_assets_path).resolve():
+        return f" (or {list(want.model[key])}: either fused-expert layout loads)"
+    return " (the adapter takes the fused-expert layout from hf_assets_path's safetensors)"
 
 
 def check_checkpoint(
@@ -230,7 +253,8 @@ def check_checkpoint(
     if hf_assets_path:  # the checkpointer's adapter parses its index
         read_index(hf_assets_path)
     index = read_index(d) or {}
-    expected, unread, ignored = expected_tensors(model_config, hf_assets_path)
+    want = expected_tensors(model_config, hf_assets_path)
+    expected, unread, ignored = want.read, want.unread, want.ignored
     who = f"[model] flavor {flavor!r}"
     missing = [k for k in expected if k not in found]
     if missing:
@@ -246,7 +270,8 @@ def check_checkpoint(
         t = found[key]
         if t.shape != shape:
             raise WeightsError(
-                f"{d / t.file}: tensor {key!r} has shape {list(t.shape)}; {who} needs {list(shape)}"
+                f"{d / t.file}: tensor {key!r} has shape {list(t.shape)}; {who} needs "
+                f"{list(shape)}{_layouts(want, key, d, hf_assets_path)}"
             )
         if t.dtype not in FLOAT_DTYPES:
             kind = "a quantized" if t.dtype.startswith("F") else "a non-floating-point"
