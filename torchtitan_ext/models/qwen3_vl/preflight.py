@@ -15,7 +15,10 @@ the file and the key to change, and none needs the model, the cache's data or a 
 - **pack length**: an explicit ``cache_path`` must have been built for the job's pack length;
 - **weights**: ``config.json`` in ``hf_assets_path`` must describe the flavor's architecture;
   safetensors there must be loaded (``[checkpoint] enable`` + ``initial_load_in_hf``) and
-  ``initial_load_in_hf`` needs safetensors to load.
+  ``initial_load_in_hf`` needs safetensors to load; the tensors the checkpointer would load
+  (``initial_load_path``, else ``hf_assets_path``) are read from the files' headers and must be
+  all there, in the flavor's shapes and floating point, with nothing the model would drop
+  (``weights.check_checkpoint``), unless the job resumes from its own checkpoint instead.
 
 ``[model] flavor`` itself is checked when the flavor is looked up (``flavor_config``).
 """
@@ -60,6 +63,7 @@ def check(job: Any) -> None:
         _check_explicit_cache(cfg, flavor, hf_config, where, loader, fail)
     _check_chunked_loss(cfg, fail)
     _check_weights(cfg, flavor, fail)
+    job.notes.extend(_check_tensors(cfg, flavor, fail))
 
 
 def check_format_owner(job: Any) -> None:
@@ -241,3 +245,24 @@ def _check_weights(cfg: Any, flavor: str, fail: Any) -> None:
             "load_only = true to load without saving checkpoints), or use a directory without "
             "weights for a random start"
         )
+
+
+def _check_tensors(cfg: Any, flavor: str, fail: Any) -> list[str]:
+    """The safetensors the checkpointer would load fit the flavor's model (headers only; see
+    ``weights.check_checkpoint``); returns lines for the log. Skipped when nothing is loaded
+    from HF: torchtitan loads them only when ``checkpoint.folder`` has no step to resume from
+    (and a ``load_step`` resumes, or fails in the generic checkpoint check)."""
+    from torchtitan_ext.models.qwen3_vl.weights import WeightsError, check_checkpoint
+    from torchtitan_ext.preflight.checkpoint import saved_steps
+
+    ck = cfg.checkpoint
+    if not (ck.enable and ck.initial_load_in_hf) or ck.load_step != -1:
+        return []
+    if saved_steps(Path(cfg.dump_folder) / ck.folder):
+        return []
+    where = "[checkpoint] initial_load_path" if ck.initial_load_path else "hf_assets_path"
+    source = ck.initial_load_path or cfg.hf_assets_path
+    try:
+        return check_checkpoint(source, cfg.model_spec.model, cfg.hf_assets_path, flavor)
+    except WeightsError as e:
+        raise fail(f"the HF weights to load ({where}) do not fit: {e}") from None

@@ -24,27 +24,24 @@ modules under their HF names, the mapping is the identity except for:
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from torchtitan_ext.models.qwen3_vl.flavors import is_moe
+from torchtitan_ext.models.qwen3_vl.weights import read_header
 
 _EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 _LM_HEAD = "lm_head.weight"
 
 
 def safetensors_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape for every ``*.safetensors`` file in ``directory`` (headers only)."""
+    """Tensor name -> shape for every ``*.safetensors`` file in ``directory`` (headers only;
+    a damaged file raises ``weights.WeightsError`` naming it)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
+        for name, meta in read_header(f).items():
             if name != "__metadata__":
                 shapes[name] = tuple(meta["shape"])
     return shapes
