@@ -120,7 +120,9 @@ class ExtTrainer(Trainer):
     Differences from ``Trainer``: the dataloader is wrapped in ``AsyncDeviceLoader`` when
     ``[staging] enable``; the loader's ``get_stats()`` is appended to the per-step log line; each
     checkpoint gets a record of what its data state depends on (loader, data-parallel degree,
-    seq_len, batch size), which :mod:`torchtitan_ext.preflight` compares with the next job's;
+    seq_len, batch size), which :mod:`torchtitan_ext.preflight` compares with the next job's,
+    and of its model (what ``torchtitan-ext-export`` needs); the last save in HF format
+    (``last_save_in_hf``) also gets ``config.json`` and the job's processor;
     on a CPU the step line shows ``mfu: N/A`` (there is no peak FLOPS to divide by).
     """
 
