@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a saved torchtitan checkpoint step (qwen3_vl) as a Hugging Face model "
         "directory: safetensors weights, config.json, tokenizer, processor and chat template. "
         "Optimizer, scheduler and data-loader state are left out.",
+        epilog="The model, its HF config and the processor come from the job record the trainer "
+        "writes into every step directory. Exit codes: 0 written; 2 bad input (one line "
+        "'export error: ...').",
     )
     p.add_argument(
         "--checkpoint",
