@@ -120,7 +120,9 @@ class ExtTrainer(Trainer):
     Differences from ``Trainer``: the dataloader is wrapped in ``AsyncDeviceLoader`` when
     ``[staging] enable``; the loader's ``get_stats()`` is appended to the per-step log line; each
     checkpoint gets a record of what its data state depends on (loader, data-parallel degree,
-    seq_len, batch size), which :mod:`torchtitan_ext.preflight` compares with the next job's;
+    seq_len, batch size), which :mod:`torchtitan_ext.preflight` compares with the next job's,
+    and of its model (what ``torchtitan-ext-export`` needs); the last save in HF format
+    (``last_save_in_hf``) also gets ``config.json`` and the job's processor;
     on a CPU the step line shows ``mfu: N/A`` (there is no peak FLOPS to divide by).
     """
 
@@ -152,21 +154,40 @@ class ExtTrainer(Trainer):
         self._record_checkpoints()
 
     def _record_checkpoints(self) -> None:
+        """Wrap ``checkpointer.save``: rank 0 writes the job record next to each save; the last
+        save in HF format (``last_save_in_hf``) runs in the adapter's ``exporting()`` mode and,
+        once every rank's weights are written, gets the model's ``config.json`` and processor
+        (:func:`torchtitan_ext.models.qwen3_vl.export.write_hf_assets`)."""
+        from contextlib import nullcontext
+
         import torch.distributed as dist
 
-        from torchtitan_ext.preflight.checkpoint import job_record, write_record
+        from torchtitan_ext.preflight.checkpoint import job_record, model_record, write_record
 
         ckpt = self.checkpointer
         if not getattr(ckpt, "enable", False) or not hasattr(ckpt, "_create_checkpoint_id"):
             return
         dims = self.parallel_dims
         record = job_record(self.config, dims.dp_replicate * dims.dp_shard)
+        record["model"] = model_record(self.config)
+        adapter = getattr(ckpt, "sd_adapter", None)
+        exports = bool(getattr(ckpt, "last_save_in_hf", False)) and hasattr(adapter, "exporting")
         save = ckpt.save
 
         def save_and_record(curr_step: int, last_step: bool = False) -> bool:
-            saved = save(curr_step, last_step)
+            export = exports and last_step
+            with adapter.exporting() if export else nullcontext():
+                saved = save(curr_step, last_step)
+            if saved and export and dist.is_initialized():
+                dist.barrier()  # every rank's safetensors are complete before config.json
             if saved and (not dist.is_initialized() or dist.get_rank() == 0):
-                write_record(ckpt._create_checkpoint_id(curr_step), record)
+                step_dir = ckpt._create_checkpoint_id(curr_step)
+                write_record(step_dir, record)
+                if export:
+                    from torchtitan_ext.models.qwen3_vl.export import write_hf_assets
+
+                    model = record["model"]
+                    write_hf_assets(step_dir, model["hf_config"], model["processor"])
             return saved
 
         ckpt.save = save_and_record

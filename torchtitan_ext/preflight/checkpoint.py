@@ -9,7 +9,8 @@ with a raw ValueError — all after the model was built. And a job that already 
 ``training.steps`` builds everything, then says "Training completed" having trained nothing.
 
 What a checkpoint was saved with comes from a small record ``ExtTrainer`` writes next to each
-save (:data:`RECORD`: loader, data-parallel degree, seq_len, local batch size), and, for a
+save (:data:`RECORD`: loader, data-parallel degree, seq_len, local batch size; and the model,
+:func:`model_record`, for ``torchtitan-ext-export``), and, for a
 checkpoint without one, from the DCP metadata (the number of ``dataloader.dp_rank_*`` keys).
 A loader whose state is not keyed by rank (``cached_vl``: one "global" state) resumes at any
 data-parallel degree, so only the others are held to it.
@@ -42,6 +43,20 @@ def job_record(config: Any, dp_degree: int) -> dict[str, Any]:
         "seq_len": int(config.training.seq_len),
         "local_batch_size": int(config.training.local_batch_size),
     }
+
+
+def model_record(config: Any) -> dict[str, Any]:
+    """Which model a checkpoint holds (the ``model`` entry of its record): the model spec's name
+    and flavor, and for a model that exports to Hugging Face (qwen3_vl) what
+    ``torchtitan-ext-export`` needs to export it from the checkpoint folder alone (its HF config
+    and processor directory: :func:`torchtitan_ext.models.qwen3_vl.export.export_record`)."""
+    spec = config.model_spec
+    out: dict[str, Any] = {"name": spec.name, "flavor": spec.flavor}
+    if spec.name == "qwen3_vl":
+        from torchtitan_ext.models.qwen3_vl.export import export_record
+
+        out.update(export_record(config))
+    return out
 
 
 def write_record(step_dir: str | Path, record: dict[str, Any]) -> None:

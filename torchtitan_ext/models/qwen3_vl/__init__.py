@@ -3,7 +3,8 @@
 Layout as torchtitan's model modules: :func:`model_registry` (flavor -> ``ModelSpec``) here,
 the flavor table in ``flavors.py``, the model (transformers' Qwen3-VL behind torchtitan's model
 protocol) in ``model.py``, AC / compile / FSDP in ``parallelize.py``, HF checkpoint mapping in
-``state_dict_adapter.py``, default job configs in ``config_registry.py`` and the checks run
+``state_dict_adapter.py``, the Hugging Face export (``config.json``, processor, DCP ->
+safetensors) in ``export.py``, default job configs in ``config_registry.py`` and the checks run
 before anything is built in ``preflight.py`` (registered in ``torchtitan_ext.preflight``).
 """
 

@@ -16,14 +16,19 @@ modules under their HF names, the mapping is the identity except for:
   ``[E, H, 2I]`` / ``[E, I, H]`` (transformers' ``conversion_mapping`` entry ``qwen3_vl_moe``:
   ``Transpose(1, 2, check_dims=True)``). As transformers does, the layout is decided per tensor
   from the checkpoint's own shapes (read from the safetensors headers, no tensor data): a tensor
-  whose shape is the model's is taken as is, a transposed one is transposed; saving writes the
-  published (transposed) layout;
+  whose shape is the model's is taken as is, a transposed one is transposed (as a view: the HF
+  reader copies each slice straight into the parameter). An export (:meth:`exporting`, or no HF
+  checkpoint in ``hf_assets_path``, so no load to serve) always writes the published layout, as
+  contiguous tensors (safetensors refuses views), so every consumer of the published checkpoints
+  reads it;
 - **tied embeddings** (2B, 4B): the checkpoint has no ``lm_head.weight``; the model's
   ``lm_head.weight`` is the embedding itself, so it is neither read nor written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +67,19 @@ class Qwen3VLStateDictAdapter(StateDictAdapter):
                 _EXPERT_SUFFIXES[1]: (e, h, i),
             }
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None
+        self._exporting = False
+
+    @contextmanager
+    def exporting(self) -> Iterator[None]:
+        """Within: :meth:`to_hf` serves a save (published layout, contiguous), whatever layout
+        the checkpoint in ``hf_assets_path`` has. torchtitan calls ``to_hf`` both to read an HF
+        checkpoint (where the tensors must be views in *its* layout) and to write one, and cannot
+        say which; the caller of the save can (``ExtTrainer``, the export command)."""
+        self._exporting = True
+        try:
+            yield
+        finally:
+            self._exporting = False
 
     def _expert_shape(self, key: str) -> tuple[int, int, int] | None:
         for suffix, shape in self.expert_shapes.items():
@@ -82,9 +100,12 @@ class Qwen3VLStateDictAdapter(StateDictAdapter):
             if self.tied and key == _LM_HEAD:
                 continue
             shape = self._expert_shape(key)
-            # Transposed unless the checkpoint in hf_assets_path holds the model's own layout.
-            if shape is not None and self._checkpoint_shape(key) != shape:
-                value = value.transpose(1, 2)
+            if shape is not None:
+                found = None if self._exporting else self._checkpoint_shape(key)
+                if found is None:  # a save: the published layout, packed for safetensors
+                    value = value.transpose(1, 2).contiguous()
+                elif found != shape:  # a load from the published layout: a view
+                    value = value.transpose(1, 2)
             out[key] = value
         return out
 
