@@ -5,6 +5,8 @@ anything is built; each failure is one :class:`~torchtitan_ext.toml_config.Confi
 the file and the key to change, and none needs the model, the cache's data or a process group:
 
 - **parallelism**: data parallelism only (FSDP on the ``partial_dtensor`` backend);
+- **freeze**: ``[model] freeze`` names known components and leaves one to train (tied
+  embeddings: ``embeddings`` and ``lm_head`` together; ``freeze.freeze_problem``);
 - **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``
   (:func:`check_format_owner`, run for every job, refuses that format for any other model);
 - **tokens**: the model's image / video / vision start / vision end token ids must be those of
@@ -54,6 +56,7 @@ def check(job: Any) -> None:
     hf_config = cfg.model_spec.model.hf_config
     flavor = cfg.model_spec.flavor
     _check_parallelism(cfg.parallelism, fail)
+    _check_freeze(cfg.model_spec.model, fail)
     for where, loader in job.loaders():
         _check_format(where, loader, fail)
         _check_tokens(cfg, flavor, hf_config, where, loader, fail)
@@ -92,6 +95,14 @@ def _check_parallelism(par: Any, fail: Any) -> None:
             f"[parallelism] spmd_backend = {par.spmd_backend!r}: qwen3_vl (transformers modules "
             "under FSDP) needs 'partial_dtensor'"
         )
+
+
+def _check_freeze(model: Any, fail: Any) -> None:
+    from torchtitan_ext.models.qwen3_vl.freeze import freeze_problem
+
+    problem = freeze_problem(model.freeze, tied=bool(model.hf_config.get("tie_word_embeddings")))
+    if problem:
+        raise fail(f"[model] freeze = {list(model.freeze)}: {problem}")
 
 
 def _check_format(where: str, loader: Any, fail: Any) -> None:
