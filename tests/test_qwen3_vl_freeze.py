@@ -358,26 +358,43 @@ def test_fsdp_reduces_no_frozen_gradient(runs, run):
 
 @pytest.mark.integration
 def test_dp2_under_torchrun_trains_only_the_trainable(tmp_path):
-    """DP=2 (gloo): every rank reduces only trainable gradients, frozen weights stay put, the
-    norm is the trainable gradients'."""
+    """DP=2 (gloo), from HF weights: every rank reduces only trainable gradients, frozen weights
+    stay put, the norm is the trainable gradients'; DP=1 on the same global batches (rank r's
+    packs are r, r + 2, ...) gives the same losses and norms."""
+    from tests.test_qwen3_vl_train import make_hf_dir
+
     out = tmp_path / "rec"
-    args = common_args(tmp_path, "dp2") + [
-        "--checkpoint.no-enable",
-        "--model.freeze",
-        "vision,lm_head",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHTITAN_EXT_CACHE=str(tmp_path / "home"))
-    cmd = torchrun(2, "-m", "tests.test_qwen3_vl_freeze", str(out), "2", *args)
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHTITAN_EXT_CACHE", str(tmp_path / "home"))
+    try:
+        hf = make_hf_dir(tmp_path / "hf", "debugmodel")
+        args = common_args(tmp_path, "dp") + hf_args(hf) + ["--model.freeze", "vision,lm_head"]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        cmd = torchrun(2, "-m", "tests.test_qwen3_vl_freeze", str(out), "2", *args)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        dp1 = train_here(args + ["--training.local_batch_size", "4"], 2, True)
+    finally:
+        mp.undo()
     for rank in range(2):
         r = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert {component_of(n) for n in r["frozen"]} == {"vision", "lm_head"}
         assert r["trainable"] == r["reduced"] == r["opt_state"]
         assert r["changed"] == sorted(set(r["trainable"]) - set(r["zero_grad"]))
+        assert r["frozen_equal_hf"]
         assert r["reduces"] == [r["units_with_trainable"]] * 2
         for step in r["norms"]:
             assert step["logged"] == pytest.approx(step["by_hand"], rel=1e-5)
+        print(
+            "LOSSES",
+            r["losses"],
+            dp1["losses"],
+            [s["logged"] for s in dp1["norms"]],
+            [s["logged"] for s in r["norms"]],
+        )
+        assert dp1["losses"] == pytest.approx(r["losses"], rel=1e-5)
+        norms = [s["logged"] for s in r["norms"]]
+        assert [s["logged"] for s in dp1["norms"]] == pytest.approx(norms, rel=1e-4)
 
 
 def _worker(out: str, steps: str, *argv: str) -> None:
