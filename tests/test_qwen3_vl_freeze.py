@@ -385,13 +385,6 @@ def test_dp2_under_torchrun_trains_only_the_trainable(tmp_path):
         assert r["reduces"] == [r["units_with_trainable"]] * 2
         for step in r["norms"]:
             assert step["logged"] == pytest.approx(step["by_hand"], rel=1e-5)
-        print(
-            "LOSSES",
-            r["losses"],
-            dp1["losses"],
-            [s["logged"] for s in dp1["norms"]],
-            [s["logged"] for s in r["norms"]],
-        )
         assert dp1["losses"] == pytest.approx(r["losses"], rel=1e-5)
         norms = [s["logged"] for s in r["norms"]]
         assert [s["logged"] for s in dp1["norms"]] == pytest.approx(norms, rel=1e-4)
