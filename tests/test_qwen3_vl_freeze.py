@@ -122,6 +122,48 @@ def test_preflight_names_the_key_and_the_valid_names(tmp_path, toml, cli, match)
     assert "vision, merger, language_model, embeddings, lm_head" in msg
 
 
+GROUPS = """
+[optimizer]
+param_groups = [
+  { pattern = "visual", optimizer_name = "AdamW", optimizer_kwargs = { lr = 1e-5 } },
+  { pattern = ".*", optimizer_name = "AdamW", optimizer_kwargs = { lr = 1e-4 } },
+]
+"""
+
+
+@pytest.mark.parametrize(
+    "freeze, chunks, match",
+    [
+        ('["vision", "merger"]', 0, "pattern 'visual' matches only parameters that"),
+        ('["vision"]', 0, None),  # the mergers keep the group alive
+        ('["vision", "merger", "language_model", "embeddings"]', 2, "leaves only lm_head"),
+        ('["vision", "language_model", "embeddings"]', 2, None),
+    ],
+)
+def test_preflight_refuses_what_cannot_train(tmp_path, freeze, chunks, match):
+    """An optimizer group left with only frozen parameters (torchtitan refuses it after the
+    build), and only lm_head trainable under the chunked loss (backward would fail)."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    from torchtitan_ext.config import load_config
+    from torchtitan_ext.models.qwen3_vl.preflight import check
+    from torchtitan_ext.preflight import Job
+
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f'[model]\nmodule = "qwen3_vl"\nflavor = "debugmodel"\nfreeze = {freeze}\n{GROUPS}'
+    )
+    cfg = load_config(path)
+    if chunks:
+        cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(), num_chunks=chunks)
+    job = Job(cfg, str(path))
+    if match is None:
+        check(job)
+    else:
+        with pytest.raises(ConfigError, match=match):
+            check(job)
+
+
 @pytest.mark.integration
 def test_launcher_exits_2_with_one_line_before_building(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHTITAN_EXT_CACHE=str(tmp_path / "home"))

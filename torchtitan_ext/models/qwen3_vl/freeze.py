@@ -13,14 +13,20 @@ mechanism; every later stage already keys on it, so nothing else is filtered or 
 - **optimizer**: torchtitan's ``OptimizersContainer._build_param_groups`` takes only parameters
   with ``requires_grad`` into its ``[optimizer] param_groups`` (and ``_validate_params`` expects
   exactly those), so frozen parameters get no optimizer and no state. That is the thinnest place
-  to filter, and it is torchtitan's own; a ``param_groups`` pattern that matches only frozen
-  parameters is refused there ("matched no parameters");
+  to filter, and it is torchtitan's own (it refuses a ``param_groups`` pattern left with only
+  frozen parameters, "matched no parameters": the preflight says so first, see below);
 - **gradient norm and clipping**: ``torchtitan.distributed.utils.clip_grad_norm_`` takes the norm
   over the gradients that exist (``p.grad is not None``): frozen parameters have none;
 - **FSDP2**: ``FSDPParamGroup.post_backward`` reduce-scatters only the parameters of a unit that
   hold a gradient, and returns without any collective when none does; a unit that mixes frozen
   and trainable parameters (e.g. the vision tower's root unit: patch and position embeddings
   with the mergers) reduce-scatters the trainable ones only.
+
+Before anything is built, the qwen3_vl preflight refuses what cannot train: an unknown name,
+everything frozen, half of a tied embedding, an ``[optimizer] param_groups`` pattern left with
+only frozen parameters (:func:`frozen_only_patterns`), and only ``lm_head`` trainable under the
+chunked loss (``[loss] num_chunks``: it back-propagates from the hidden states, which would then
+need no gradient, so no gradient would reach ``lm_head`` and backward fails).
 
 Tied embeddings (``tie_word_embeddings``, the published 2B / 4B): ``lm_head`` *is* the input
 embedding (one tensor), so a job must freeze both ``embeddings`` and ``lm_head`` or neither;
@@ -29,7 +35,8 @@ either other reading would silently do the opposite of one of the two requests.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
@@ -88,6 +95,30 @@ def freeze_problem(freeze: Iterable[str], *, tied: bool) -> str | None:
             "so 'embeddings' and 'lm_head' must be frozen together or not at all"
         )
     return None
+
+
+def frozen_only_patterns(
+    names: Sequence[str], freeze: Iterable[str], patterns: list[str]
+) -> list[str]:
+    """The ``[optimizer] param_groups`` patterns that would get only frozen parameters.
+
+    Replays torchtitan's ``OptimizersContainer._build_param_groups`` on ``names`` (the model's
+    parameter names): patterns in order, first match wins, frozen parameters skipped. A pattern
+    that then claims nothing but does match a frozen parameter is returned: torchtitan would
+    refuse its group ("matched no parameters") once the model is built. A pattern matching no
+    name at all is left to torchtitan's own error.
+    """
+    frozen = set(freeze)
+    claimed: set[str] = set()
+    out = []
+    for pattern in patterns:
+        rx = re.compile(pattern)
+        free = [n for n in names if n not in claimed and rx.search(n)]
+        mine = [n for n in free if component_of(n) not in frozen]
+        claimed.update(mine)
+        if free and not mine:
+            out.append(pattern)
+    return out
 
 
 def parameter_counts(model: nn.Module) -> dict[str, tuple[int, int]]:
