@@ -347,15 +347,20 @@ LAST_DEEPSTACK = {
 FROZEN = {"dense": {"vision", "lm_head"}, "moe": {"merger", "language_model", "embeddings"}}
 
 
+def frozen_as_asked(r: dict[str, Any], run: str) -> None:
+    """The run's frozen parameters are exactly those of the components it froze."""
+    assert r["frozen"] and r["trainable"]
+    assert {component_of(n) for n in r["frozen"]} == FROZEN[run]
+    assert not {component_of(n) for n in r["trainable"]} & FROZEN[run]
+
+
 @pytest.mark.parametrize("run", ["dense", "moe"])
 def test_frozen_weights_stay_bit_identical_while_the_rest_trains(runs, run):
     """requires_grad=False survives the meta build, to_empty, init_states, fully_shard and the
     checkpointer's HF load; after the steps frozen tensors are bit-identical (to the HF file's,
     where loaded) and every trainable tensor moved."""
     r = runs[run]
-    assert r["frozen"] and r["trainable"]
-    assert {component_of(n) for n in r["frozen"]} == FROZEN[run]
-    assert not {component_of(n) for n in r["trainable"]} & FROZEN[run]
+    frozen_as_asked(r, run)
     assert r["still_frozen"] == r["frozen"]
     assert r["changed"] == sorted(set(r["trainable"]) - set(r["zero_grad"]))
     assert set(r["zero_grad"]) <= LAST_DEEPSTACK
@@ -366,6 +371,7 @@ def test_frozen_weights_stay_bit_identical_while_the_rest_trains(runs, run):
 @pytest.mark.parametrize("run", ["dense", "moe"])
 def test_frozen_parameters_have_no_optimizer_state(runs, run):
     r = runs[run]
+    frozen_as_asked(r, run)
     assert r["opt_groups"] == r["trainable"]
     assert r["opt_state"] == r["trainable"]
 
@@ -374,6 +380,7 @@ def test_frozen_parameters_have_no_optimizer_state(runs, run):
 def test_grad_norm_is_over_the_trainable_gradients(runs, run):
     """The clipped norm is the norm of the trainable gradients, computed by hand; frozen
     parameters have no gradient at all."""
+    frozen_as_asked(runs[run], run)
     for step in runs[run]["norms"]:
         assert step["with_grad"] == runs[run]["trainable"]
         assert step["logged"] == pytest.approx(step["by_hand"], rel=1e-5)
