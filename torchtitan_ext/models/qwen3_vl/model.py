@@ -99,6 +99,14 @@ class Qwen3VLModel(BaseModel):
                 f"qwen3_vl attn_backend {config.attn_backend!r}: expected one of "
                 f"{sorted(ATTN_BACKENDS)}"
             )
+        # Imported here: freeze.py reads this module's COMPONENTS.
+        from torchtitan_ext.models.qwen3_vl.freeze import apply_freeze, freeze_problem
+
+        problem = freeze_problem(
+            config.freeze, tied=bool(config.hf_config.get("tie_word_embeddings"))
+        )
+        if problem:
+            raise ValueError(f"qwen3_vl freeze {config.freeze}: {problem}")
         hf = build_hf_model(config.hf_config, ATTN_BACKENDS[config.attn_backend])
         self.config = config
         # The HF wrapper is kept unregistered (its children are registered below under the same
@@ -106,6 +114,7 @@ class Qwen3VLModel(BaseModel):
         object.__setattr__(self, "_hf", hf)
         self.model = hf.model
         self.lm_head = hf.lm_head
+        apply_freeze(self, config.freeze, tied=self.tie_word_embeddings)
 
     # -- torchtitan protocol -------------------------------------------------------------------
     @property

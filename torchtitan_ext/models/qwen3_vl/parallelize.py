@@ -13,7 +13,8 @@ Same order and policies as torchtitan's own ``parallelize_llama`` / ``paralleliz
   mixed_precision_param`` / ``mixed_precision_reduce`` set the policy (bf16 parameters by
   default). As in torchtitan 0.3.0, FSDP is applied at every DP degree (at DP=1 it only installs
   the mixed-precision policy), FSDP's own gradient division is off and the trainer divides by
-  the global count of valid tokens.
+  the global count of valid tokens. Frozen parameters (``[model] freeze``) need no units of
+  their own: FSDP2 reduce-scatters only the parameters that hold a gradient (freeze.py).
 
 Only data parallelism is supported (``partial_dtensor`` backend); tensor, pipeline, context and
 expert parallelism are refused before the model is built (preflight.py).

@@ -5,6 +5,10 @@ anything is built; each failure is one :class:`~torchtitan_ext.toml_config.Confi
 the file and the key to change, and none needs the model, the cache's data or a process group:
 
 - **parallelism**: data parallelism only (FSDP on the ``partial_dtensor`` backend);
+- **freeze**: ``[model] freeze`` names known components and leaves one to train (tied
+  embeddings: ``embeddings`` and ``lm_head`` together), every ``[optimizer] param_groups``
+  pattern keeps a trainable parameter, and the chunked loss has more than ``lm_head`` to train
+  (freeze.py);
 - **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``
   (:func:`check_format_owner`, run for every job, refuses that format for any other model);
 - **tokens**: the model's image / video / vision start / vision end token ids must be those of
@@ -57,6 +61,7 @@ def check(job: Any) -> None:
     hf_config = cfg.model_spec.model.hf_config
     flavor = cfg.model_spec.flavor
     _check_parallelism(cfg.parallelism, fail)
+    _check_freeze(cfg, fail)
     for where, loader in job.loaders():
         _check_format(where, loader, fail)
         _check_tokens(cfg, flavor, hf_config, where, loader, fail)
@@ -96,6 +101,47 @@ def _check_parallelism(par: Any, fail: Any) -> None:
             f"[parallelism] spmd_backend = {par.spmd_backend!r}: qwen3_vl (transformers modules "
             "under FSDP) needs 'partial_dtensor'"
         )
+
+
+def _check_freeze(cfg: Any, fail: Any) -> None:
+    from torchtitan_ext.models.qwen3_vl.freeze import (
+        COMPONENTS,
+        freeze_problem,
+        frozen_only_patterns,
+    )
+
+    model = cfg.model_spec.model
+    freeze = list(model.freeze)
+    problem = freeze_problem(freeze, tied=bool(model.hf_config.get("tie_word_embeddings")))
+    if problem:
+        raise fail(f"[model] freeze = {freeze}: {problem}")
+    if not freeze:
+        return
+    chunks = getattr(cfg.loss, "num_chunks", None)
+    if chunks and set(COMPONENTS) - set(freeze) == {"lm_head"}:
+        raise fail(
+            f"[model] freeze = {freeze} leaves only lm_head to train, but the chunked loss "
+            f"([loss] num_chunks = {chunks}) back-propagates from hidden states that would need "
+            "no gradient, so none would reach lm_head; leave another component trainable"
+        )
+    patterns = [g.pattern for g in cfg.optimizer.param_groups]
+    bad = frozen_only_patterns(_parameter_names(model.hf_config), freeze, patterns)
+    if bad:
+        raise fail(
+            f"[optimizer] param_groups pattern {bad[0]!r} matches only parameters that "
+            f"[model] freeze = {freeze} keeps fixed (an optimizer group needs a trainable "
+            "parameter); remove that group or freeze less"
+        )
+
+
+def _parameter_names(hf_config: dict) -> list[str]:
+    """The model's parameter names, from a meta-device build (no memory, no init)."""
+    import torch
+
+    from torchtitan_ext.models.qwen3_vl.model import build_hf_model
+
+    with torch.device("meta"):
+        return [n for n, _ in build_hf_model(hf_config).named_parameters()]
 
 
 def _check_format(where: str, loader: Any, fail: Any) -> None:
