@@ -164,6 +164,44 @@ def test_preflight_refuses_what_cannot_train(tmp_path, freeze, chunks, match):
             check(job)
 
 
+@pytest.mark.parametrize(
+    "saved, now, exclude, refused",
+    [
+        (["vision"], [], [], True),  # thawed: no optimizer state for it in the checkpoint
+        (["vision", "merger"], ["vision"], [], True),
+        (["vision"], ["vision"], [], False),
+        ([], ["vision"], [], False),  # freezing more: the extra state is not read
+        (["vision"], [], ["optimizer"], False),  # the optimizer starts afresh
+    ],
+)
+def test_resuming_with_a_thawed_component_is_one_line(tmp_path, saved, now, exclude, refused):
+    """torchtitan would fail after the build ("Missing key in checkpoint state_dict:
+    optimizer.state..."); the record of the saved step says what was frozen."""
+    import json
+
+    from torchtitan_ext.config import load_config
+    from torchtitan_ext.preflight import Job
+    from torchtitan_ext.preflight.checkpoint import RECORD, check_checkpoint
+
+    step = tmp_path / "out" / "checkpoint" / "step-2"
+    step.mkdir(parents=True)
+    (step / "model.safetensors.index.json").write_text("{}")  # a saved step, to torchtitan
+    model = {"name": "qwen3_vl", "flavor": "debugmodel", **({"freeze": saved} if saved else {})}
+    (step / RECORD).write_text(json.dumps({"model": model}))
+    args = ["--dump_folder", str(tmp_path / "out"), "--checkpoint.enable"]
+    args += ["--model.freeze", ",".join(now)] if now else []
+    args += ["--checkpoint.exclude_from_loading", *exclude] if exclude else []
+    cfg = load_config(REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml", args)
+    job = Job(cfg, "job.toml")
+    if not refused:
+        check_checkpoint(job)
+        return
+    with pytest.raises(ConfigError, match="exclude_from_loading optimizer") as e:
+        check_checkpoint(job)
+    thawed = ", ".join(sorted(set(saved) - set(now)))
+    assert "\n" not in str(e.value) and f"with {thawed} frozen" in str(e.value)
+
+
 @pytest.mark.integration
 def test_launcher_exits_2_with_one_line_before_building(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHTITAN_EXT_CACHE=str(tmp_path / "home"))

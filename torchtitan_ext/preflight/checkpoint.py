@@ -52,6 +52,8 @@ def model_record(config: Any) -> dict[str, Any]:
     and processor directory: :func:`torchtitan_ext.models.qwen3_vl.export.export_record`)."""
     spec = config.model_spec
     out: dict[str, Any] = {"name": spec.name, "flavor": spec.flavor}
+    if getattr(spec.model, "freeze", None):
+        out["freeze"] = sorted(spec.model.freeze)
     if spec.name == "qwen3_vl":
         from torchtitan_ext.models.qwen3_vl.export import export_record
 
@@ -135,6 +137,8 @@ def check_checkpoint(job: Job) -> None:
     step_dir = folder / f"step-{step}"
     if "dataloader" not in ck.exclude_from_loading:  # else the data starts from scratch
         _check_data_state(job, step_dir)
+    if "optimizer" not in ck.exclude_from_loading:
+        _check_frozen(job, step_dir)
     # after the data check: torchtitan loads the checkpoint (and fails on a mismatch) even when
     # nothing is left to train
     if step >= cfg.training.steps:
@@ -145,17 +149,41 @@ def check_checkpoint(job: Job) -> None:
         )
 
 
+def _saved_record(job: Job, step_dir: Path) -> dict[str, Any]:
+    """The step's job record ({} when it has none)."""
+    record = step_dir / RECORD
+    if not record.is_file():
+        return {}
+    try:
+        saved = json.loads(record.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError(f"a JSON object was expected, got {type(saved).__name__}")
+    except (ValueError, OSError) as e:  # garbled or truncated: named, with the ways out
+        raise _damaged(job, record, e) from e
+    return saved
+
+
+def _check_frozen(job: Job, step_dir: Path) -> None:
+    """A component frozen when the checkpoint was saved has no optimizer state in it: resuming
+    with it trainable fails in torchtitan's load, after the build ("Missing key in checkpoint
+    state_dict: optimizer.state...")."""
+    model = _saved_record(job, step_dir).get("model")
+    saved = model.get("freeze", []) if isinstance(model, dict) else []
+    now = set(getattr(job.config.model_spec.model, "freeze", None) or [])
+    thawed = sorted(set(saved) - now)
+    if thawed:
+        raise ConfigError(
+            f"{job.file}: [model] freeze: the checkpoint this job would resume from, {step_dir}, "
+            f"was trained with {', '.join(thawed)} frozen, so it holds no optimizer state for "
+            f"them. To train them now, keep the weights and start the optimizer afresh with "
+            "--checkpoint.exclude_from_loading optimizer, or start a new --dump_folder from "
+            f"[checkpoint] initial_load_path = '{step_dir}'"
+        )
+
+
 def _check_data_state(job: Job, step_dir: Path) -> None:
     cfg = job.config
-    saved: dict[str, Any] = {}
-    record = step_dir / RECORD
-    if record.is_file():
-        try:
-            saved = json.loads(record.read_text())
-            if not isinstance(saved, dict):
-                raise ValueError(f"a JSON object was expected, got {type(saved).__name__}")
-        except (ValueError, OSError) as e:  # garbled or truncated: named, with the ways out
-            raise _damaged(job, record, e) from e
+    saved = _saved_record(job, step_dir)
     ranks = _metadata_ranks(job, step_dir)
     now = job_record(cfg, job.dp_degree)
     diffs = []
