@@ -133,3 +133,51 @@ def test_compiled_blocks_stop_compiling_after_two_shapes(compiled_run):
     per_batch = compiled_run["per_batch"]
     assert sum(per_batch) <= MAX_FRAMES, per_batch
     assert per_batch[2:] == [0] * (len(BATCHES) - 2), per_batch
+
+
+# ----------------------------------------------------------------------- patch_embed = "matmul"
+def test_matmul_patch_embed_gives_the_conv_outputs_without_the_conv():
+    """``patch_embed = "matmul"`` embeds patches without calling the Conv3d (it would raise
+    here) and gives its outputs (float32, tight), for the patch embedding and the whole tower
+    (forward and weight gradient)."""
+    conv, mm = tiny(), tiny(patch_embed="matmul")
+    mm.load_state_dict(conv.state_dict())
+
+    def no_conv(*a, **k):
+        raise AssertionError("the Conv3d ran")
+
+    mm.model.visual.patch_embed.proj.forward = no_conv
+    px, grid = pixels(GRID)
+    ref = conv.model.visual.patch_embed(px)
+    torch.testing.assert_close(mm.model.visual.patch_embed(px), ref, atol=1e-5, rtol=1e-5)
+    a, b = conv.model.visual(px, grid_thw=grid), mm.model.visual(px, grid_thw=grid)
+    torch.testing.assert_close(b.pooler_output, a.pooler_output, atol=1e-5, rtol=1e-5)
+    a.pooler_output.sum().backward()
+    b.pooler_output.sum().backward()
+    wa, wb = (m.model.visual.patch_embed.proj.weight.grad for m in (conv, mm))
+    torch.testing.assert_close(wb, wa, atol=1e-5, rtol=1e-4)
+
+
+def test_matmul_patch_embed_keeps_the_checkpoint_layout(tmp_path):
+    """Same state-dict keys, shapes and tensors as transformers' Conv3d (``proj.weight`` stays
+    ``[out, C, T, P, P]``): a conv checkpoint loads strictly into the matmul model and saves
+    back unchanged."""
+    conv, mm = tiny(), tiny(patch_embed="matmul")
+    sd = conv.state_dict()
+    assert {k: v.shape for k, v in mm.state_dict().items()} == {k: v.shape for k, v in sd.items()}
+    torch.save(sd, tmp_path / "conv.pt")
+    mm.load_state_dict(torch.load(tmp_path / "conv.pt"), strict=True)
+    for k, v in mm.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    assert mm.model.visual.patch_embed.proj.weight.shape == (32, 3, 2, 16, 16)
+
+
+def test_bad_patch_embed_is_one_config_error(tmp_path):
+    from tests.test_qwen3_vl_model import LOADER, job, own_checks
+    from torchtitan_ext.toml_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[model\] patch_embed = 'gemm': expected one of"):
+        own_checks(job(tmp_path, LOADER, patch_embed="gemm"))
+    own_checks(job(tmp_path, LOADER, patch_embed="matmul"))  # accepted
+    with pytest.raises(ValueError, match="patch_embed 'gemm'"):
+        tiny(patch_embed="gemm")

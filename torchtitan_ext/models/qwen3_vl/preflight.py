@@ -5,6 +5,7 @@ anything is built; each failure is one :class:`~torchtitan_ext.toml_config.Confi
 the file and the key to change, and none needs the model, the cache's data or a process group:
 
 - **parallelism**: data parallelism only (FSDP on the ``partial_dtensor`` backend);
+- **patch embedding**: ``[model] patch_embed`` is one of ``model.PATCH_EMBEDS``;
 - **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``
   (:func:`check_format_owner`, run for every job, refuses that format for any other model);
 - **tokens**: the model's image / video / vision start / vision end token ids must be those of
@@ -54,6 +55,7 @@ def check(job: Any) -> None:
     hf_config = cfg.model_spec.model.hf_config
     flavor = cfg.model_spec.flavor
     _check_parallelism(cfg.parallelism, fail)
+    _check_patch_embed(cfg.model_spec.model, fail)
     for where, loader in job.loaders():
         _check_format(where, loader, fail)
         _check_tokens(cfg, flavor, hf_config, where, loader, fail)
@@ -91,6 +93,16 @@ def _check_parallelism(par: Any, fail: Any) -> None:
         raise fail(
             f"[parallelism] spmd_backend = {par.spmd_backend!r}: qwen3_vl (transformers modules "
             "under FSDP) needs 'partial_dtensor'"
+        )
+
+
+def _check_patch_embed(model_cfg: Any, fail: Any) -> None:
+    from torchtitan_ext.models.qwen3_vl.model import PATCH_EMBEDS
+
+    if model_cfg.patch_embed not in PATCH_EMBEDS:
+        raise fail(
+            f"[model] patch_embed = {model_cfg.patch_embed!r}: expected one of "
+            f"{', '.join(repr(p) for p in PATCH_EMBEDS)}"
         )
 
 
