@@ -1,44 +1,54 @@
 """``torch.compile`` of the qwen3_vl blocks without a recompile per batch.
 
 ``parallelize.py`` compiles each decoder layer and each vision block on its own. Left as
-transformers wrote them, the vision blocks recompiled for almost every batch (CPU, tiny config:
-12-17 s steps at steps 2, 4, 8, ... until dynamo's recompile limit switched them, *and the
-decoder layers that share their code object* ``GradientCheckpointingLayer.__call__``, back to
-eager): transformers' ``Qwen3VLVisionAttention.forward`` (and ``Qwen3VLMoeVisionAttention``'s,
+transformers wrote them, the vision blocks recompiled for almost every batch (CPU, tiny config,
+aot_eager: 11-17 s steps at steps 2, 4, 8, ... until dynamo's recompile limit switched them,
+*and the decoder layers that share their code object* ``GradientCheckpointingLayer.__call__``,
+back to eager): transformers' ``Qwen3VLVisionAttention.forward`` (and ``Qwen3VLMoeVisionAttention``'s,
 the same code), for every non-flash implementation, splits q/k/v by
 ``(cu_seqlens[1:] - cu_seqlens[:-1]).tolist()`` and loops over the images in Python. The
 ``.tolist()`` is a graph break and the list's length (the image count) a guard, so each new
 image count or patch count compiled again.
 
-What :func:`prepare` changes (only when compile is on; eager training keeps transformers' path):
+What changes (only when compile is on: :func:`compile_blocks`, called by ``parallelize.py``;
+eager training keeps transformers' path, which is as fast there, see below):
 
-- **vision attention**: each ``Qwen3VL(Moe)VisionAttention`` instance's ``forward`` is swapped for
-  :func:`vision_attention_forward`, which replaces *only* the ``else:`` branch of
-  ``modeling_qwen3_vl.py`` ``Qwen3VLVisionAttention.forward`` ("Other implementations: Process
-  each chunk separately") by one SDPA call over all patches with a block-diagonal boolean mask
-  built from ``cu_seqlens`` by tensor ops (:func:`block_diagonal_mask`: no ``.tolist()``, no
-  per-image loop). The qkv projection, the vision RoPE and the output projection are
-  transformers' code, unchanged; flash-attention implementations (varlen kernels, no loop) keep
-  transformers' forward. Modules, parameters and state-dict keys are untouched (an instance
-  attribute, not a new module). A position attends exactly the positions of its own segment, as
-  in the per-image loop, so the outputs are equal (``tests/test_qwen3_vl_compile.py``); rows past
-  ``cu_seqlens[-1]`` would form a segment of their own.
-- **dynamic dims instead of buckets**: what is left varying in the vision blocks is the patch
-  count ``N`` (``hidden_states``, the RoPE tables, the mask) and the segment count
-  (``cu_seqlens``), and these are not specialised on: dynamo's automatic dynamic shapes compile
-  the block once for the first batch's shapes and once more, with symbolic ``N`` and segment
-  count, at the first batch that differs; every later batch reuses that graph (2 compilations,
-  forward and backward each, however many images or patches). Padding the patches to buckets
-  (static shapes, one compilation per bucket, padding rows as their own segment) was the other
-  option; measured on CPU (inductor, tiny config) a dynamic-shape graph ran the vision blocks
-  within noise of a static one of the same size, while buckets would cost one compilation per
-  patch bucket and the padded rows' compute, so there are none.
+- **vision attention** (:func:`prepare`): each ``Qwen3VL(Moe)VisionAttention`` instance's
+  ``forward`` is swapped for :func:`vision_attention_forward`, which replaces *only* the
+  ``else:`` branch of ``modeling_qwen3_vl.py`` ``Qwen3VLVisionAttention.forward`` ("Other
+  implementations: Process each chunk separately") by :func:`segment_attention`: the segments
+  (one per image frame, from ``cu_seqlens``) are gathered into ``[segments, longest, ...]``,
+  padded with a zero row, and attended in **one** SDPA call whose key mask hides the padding;
+  an index puts the rows back in order. The index tensors (:func:`vision_layout`) are built
+  once per vision forward by a forward pre-hook on the vision tower, outside the compiled
+  blocks, and reach the attention through transformers' ``**kwargs``. The qkv projection, the
+  vision RoPE and the output projection are transformers' lines; flash-attention
+  implementations (varlen kernels, no loop) keep transformers' forward. Modules, parameters and
+  state-dict keys are untouched (instance attributes, no new module). Every real row attends
+  exactly the keys of its own segment, as in the per-image loop: equal outputs and gradients
+  (``tests/test_qwen3_vl_compile.py``, 1e-5).
+- **why not one block-diagonal mask over all patches**: measured on this CPU (1 thread, fwd +
+  bwd of the attention alone, 16 images / 4500 patches, 2 heads of 16): transformers' loop
+  0.044-0.061 s, the padded segments 0.042-0.045 s, a dense ``[N, N]`` block-diagonal mask
+  0.82-0.98 s (it computes every cross-image score: ~16x the work at 16 images); in training
+  the dense mask made compiled (aot_eager) steps 2.7-4.2 s against 0.65-1.1 s. The padded
+  segments are as fast as the loop eagerly too, so eager keeps transformers' code (no gain).
+- **dynamic dims instead of patch buckets**: the vision blocks are compiled with
+  ``dynamic=True``: the patch count, the segment count and the longest segment are symbols,
+  not guards, so one graph serves every batch (the first compilation may still specialise
+  what the first batch happens to make equal; in the recompile test the vision block compiles
+  twice, then never again). A one-segment batch gets an empty second segment
+  (:func:`vision_layout`) because dynamo always specialises a dimension of size 1. Padding
+  the patches to buckets would cost one compilation per bucket plus the padded rows' compute;
+  it was not needed for the bound, and the speed of a static against a dynamic graph was not
+  measured (a GPU run could still prefer buckets for inductor's static kernels).
 - **language model**: nothing to swap. The loader's ``[dataloader] buckets`` give a few
   sequence lengths; the causal/packed mask (``create_causal_mask``), the mRoPE tables and the
   DeepStack injection of visual embeddings (``Qwen3VLTextModel._deepstack_process``, a boolean
   index whose size is the image-token count) all run *between* the compiled decoder layers, so a
   layer sees only ``[B, L, D]`` hidden states, a ``[B, 1, L, L]`` mask and ``[B, L, d]``
-  cos/sin: one compilation for the first bucket, one dynamic one at the second, none after.
+  cos/sin. Compiled with dynamo's default (automatic dynamic shapes): one compilation for the
+  first bucket, one with a symbolic length at the second, none after (at most one per bucket).
 
 :func:`compile_counts` reads dynamo's counters; ``benchmarks/vl_train.py`` and the recompile test
 report them.
