@@ -37,7 +37,11 @@ eager training keeps transformers' path, which is as fast there, see below):
   ``dynamic=True``: the patch count, the segment count and the longest segment are symbols,
   not guards, so one graph serves every batch (the first compilation may still specialise
   what the first batch happens to make equal; in the recompile test the vision block compiles
-  twice, then never again). A one-segment batch gets an empty second segment
+  twice, then never again). Backends add their own guards: inductor's CPU code generator
+  guards reductions over more than 4096 rows (``need_use_acc_helper``), so a block first
+  compiled for more than 4096 patches compiles once more for a batch with fewer (measured: tiny
+  config, inductor, 5 frames at step 1 and 1 at step 3, none in later steps). A one-segment
+  batch gets an empty second segment
   (:func:`vision_layout`) because dynamo always specialises a dimension of size 1. Padding
   the patches to buckets would cost one compilation per bucket plus the padded rows' compute;
   it was not needed for the bound, and the speed of a static against a dynamic graph was not
