@@ -16,8 +16,8 @@ backward + optimizer) after warm-up steps; the data wait is the trainer's own me
   block compiled, ``models/qwen3_vl/compile.py``; backend ``inductor``, option ``backend``),
   compared with the plain cached mode (eager). Its extra rows count dynamo's compilations
   (frames compiled, recompilations included) per 100 steps over all steps and over the timed
-  (post-warm-up) steps; the steady-state step time is the usual step-time row. Option
-  ``compile=0`` leaves this mode out.
+  (post-warm-up) steps, each process starting from an empty compile cache; the steady-state step
+  time is the usual step-time row. Option ``compile=0`` leaves this mode out.
 
 Wall time is what a run takes; CPU time (the process's user + system time, all its threads) is
 what a step costs the machine, and moves much less than wall time when other jobs share the box.
@@ -136,8 +136,11 @@ def run(args: BenchArgs) -> list[Row]:
         modes[COMPILED] = ["--compile.enable", "--compile.backend", backend]
     # modes alternate round by round, so a change of the shared machine's load hits all of them
     results: dict[str, dict[str, list]] = {m: {} for m in modes}
-    for _ in range(rounds):
-        for mode, switches in modes.items():
+    for rnd in range(rounds):
+        for i, (mode, switches) in enumerate(modes.items()):
+            # a fresh compile cache per process: dynamo's saved dynamic-shape profile (in the
+            # inductor cache dir) would otherwise hide the recompiles of a new job
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor_{rnd}_{i}")
             r = _measure(mode, common + switches, steps, warmup, env)
             for k in ("step_s", "cpu_s", "wait_s"):
                 results[mode].setdefault(k, []).extend(r[k])
