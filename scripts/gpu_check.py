@@ -225,10 +225,10 @@ def check_midsize(work: Path, quick: bool, flavor: str) -> list[Result]:
 # ------------------------------------------------------------------------------ workers
 def _worker_patch_embed(res: str) -> None:
     import torch
-    from torchtitan_ext.models.qwen3_vl.patch_embed import use_matmul_patch_embed
     from transformers import Qwen3VLConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmbed
 
+    from torchtitan_ext.models.qwen3_vl import patch_embed
     from torchtitan_ext.models.qwen3_vl.flavors import flavor_config
 
     cfg = Qwen3VLConfig(**flavor_config("2B")).vision_config
@@ -237,7 +237,7 @@ def _worker_patch_embed(res: str) -> None:
     conv = Qwen3VLVisionPatchEmbed(cfg).to(dev, torch.bfloat16)
     mm = Qwen3VLVisionPatchEmbed(cfg).to(dev, torch.bfloat16)
     mm.load_state_dict(conv.state_dict())
-    use_matmul_patch_embed(mm)
+    patch_embed.apply(mm, "matmul")
     n = 16384
     width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
     x = torch.randn(n, width, device=dev, dtype=torch.bfloat16, requires_grad=True)

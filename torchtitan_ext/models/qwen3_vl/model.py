@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import BaseModel
 
+from torchtitan_ext.models.qwen3_vl import patch_embed
 from torchtitan_ext.models.qwen3_vl.flavors import build_hf_config, is_moe
 
 ATTN_BACKENDS = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
@@ -44,7 +45,8 @@ COMPONENTS = ("vision", "merger", "language_model", "embeddings", "lm_head")
 """Names ``[model] freeze`` accepts (which parameters each covers: ``component_of``)."""
 
 PATCH_EMBEDS = ("conv", "matmul")
-"""``[model] patch_embed``: transformers' Conv3d, or the same weights as one matmul."""
+"""``[model] patch_embed``: transformers' Conv3d, or the same weights as one matmul
+(patch_embed.py)."""
 
 
 def hf_model_class(flavor_cfg: dict[str, Any]) -> type:
@@ -108,6 +110,7 @@ class Qwen3VLModel(BaseModel):
         if problem:
             raise ValueError(f"qwen3_vl freeze {config.freeze}: {problem}")
         hf = build_hf_model(config.hf_config, ATTN_BACKENDS[config.attn_backend])
+        patch_embed.apply(hf, config.patch_embed)  # checked by the preflight; raises if bad
         self.config = config
         # The HF wrapper is kept unregistered (its children are registered below under the same
         # names), for its config and its _init_weights.

@@ -6,7 +6,9 @@ Same order and policies as torchtitan's own ``parallelize_llama`` / ``paralleliz
 - **AC**: the configured torchtitan policy (``[activation_checkpoint]``: selective, full,
   memory-budget or none) wraps every decoder layer and every vision block.
 - **compile** (``[compile] enable`` with "model" in ``components``): each decoder layer and each
-  vision block is compiled on its own (repeated structure: one graph, many calls).
+  vision block is compiled on its own (repeated structure: one graph, many calls), after
+  ``compile.prepare`` removed the per-image loop of the vision attention (compile.py: a bounded
+  number of compilations, however the image and patch counts vary).
 - **FSDP2**: ``fully_shard`` per decoder layer, per vision block, the rest of the vision tower
   (patch embedding, position table, mergers), the input embedding, final norm + ``lm_head``
   (one unit with the embedding when they are tied) and the root; ``[training]
@@ -30,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.models.qwen3_vl import compile as qwen3_vl_compile
 from torchtitan_ext.models.qwen3_vl.model import Qwen3VLModel
 
 
@@ -56,10 +59,7 @@ def parallelize_qwen3_vl(
         for blocks in block_lists:
             policy.apply(_Blocks(blocks))
     if compile_config.enable and "model" in compile_config.components:
-        torch._dynamo.config.capture_scalar_outputs = True  # MoE routing (as torchtitan)
-        for blocks in block_lists:
-            for block in blocks:
-                block.compile(backend=compile_config.backend, fullgraph=False)
+        qwen3_vl_compile.compile_blocks(model, compile_config.backend)
         logger.info("qwen3_vl: compiled each decoder layer and vision block with torch.compile")
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     apply_fsdp(

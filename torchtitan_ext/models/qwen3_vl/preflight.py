@@ -9,6 +9,7 @@ the file and the key to change, and none needs the model, the cache's data or a 
   embeddings: ``embeddings`` and ``lm_head`` together), every ``[optimizer] param_groups``
   pattern keeps a trainable parameter, and the chunked loss has more than ``lm_head`` to train
   (freeze.py);
+- **patch embedding**: ``[model] patch_embed`` is one of ``model.PATCH_EMBEDS``;
 - **batch format**: the loader must be ``cached_vl`` with ``batch_format = "qwen3_vl"``
   (:func:`check_format_owner`, run for every job, refuses that format for any other model);
 - **tokens**: the model's image / video / vision start / vision end token ids must be those of
@@ -62,6 +63,7 @@ def check(job: Any) -> None:
     flavor = cfg.model_spec.flavor
     _check_parallelism(cfg.parallelism, fail)
     _check_freeze(cfg, fail)
+    _check_patch_embed(cfg.model_spec.model, fail)
     for where, loader in job.loaders():
         _check_format(where, loader, fail)
         _check_tokens(cfg, flavor, hf_config, where, loader, fail)
@@ -142,6 +144,16 @@ def _parameter_names(hf_config: dict) -> list[str]:
 
     with torch.device("meta"):
         return [n for n, _ in build_hf_model(hf_config).named_parameters()]
+
+
+def _check_patch_embed(model_cfg: Any, fail: Any) -> None:
+    from torchtitan_ext.models.qwen3_vl.model import PATCH_EMBEDS
+
+    if model_cfg.patch_embed not in PATCH_EMBEDS:
+        raise fail(
+            f"[model] patch_embed = {model_cfg.patch_embed!r}: expected one of "
+            f"{', '.join(repr(p) for p in PATCH_EMBEDS)}"
+        )
 
 
 def _check_format(where: str, loader: Any, fail: Any) -> None:
