@@ -157,7 +157,7 @@ class ExtTrainer(Trainer):
         """Wrap ``checkpointer.save``: rank 0 writes the job record next to each save; the last
         save in HF format (``last_save_in_hf``) runs in the adapter's ``exporting()`` mode and,
         once every rank's weights are written, gets the model's ``config.json`` and processor
-        (:func:`torchtitan_ext.models.qwen3_vl.export.write_hf_assets`)."""
+        (the adapter's ``write_hf_assets``)."""
         from contextlib import nullcontext
 
         import torch.distributed as dist
@@ -171,6 +171,7 @@ class ExtTrainer(Trainer):
         record = job_record(self.config, dims.dp_replicate * dims.dp_shard)
         record["model"] = model_record(self.config)
         adapter = getattr(ckpt, "sd_adapter", None)
+        # an adapter that can export (qwen3_vl's) has both ``exporting`` and ``write_hf_assets``
         exports = bool(getattr(ckpt, "last_save_in_hf", False)) and hasattr(adapter, "exporting")
         save = ckpt.save
 
@@ -184,10 +185,7 @@ class ExtTrainer(Trainer):
                 step_dir = ckpt._create_checkpoint_id(curr_step)
                 write_record(step_dir, record)
                 if export:
-                    from torchtitan_ext.models.qwen3_vl.export import write_hf_assets
-
-                    model = record["model"]
-                    write_hf_assets(step_dir, model["hf_config"], model["processor"])
+                    adapter.write_hf_assets(step_dir, record["model"])
             return saved
 
         ckpt.save = save_and_record

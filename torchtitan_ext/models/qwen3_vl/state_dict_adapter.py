@@ -81,6 +81,14 @@ class Qwen3VLStateDictAdapter(StateDictAdapter):
         finally:
             self._exporting = False
 
+    def write_hf_assets(self, step_dir: str | Path, model_record: dict[str, Any]) -> None:
+        """After an export's weights are on disk: ``config.json`` and the job's processor, from
+        the checkpoint's model record (:func:`export.write_hf_assets`). The trainer calls this
+        on any adapter that has it, so the torchtitan glue names no model."""
+        from torchtitan_ext.models.qwen3_vl.export import write_hf_assets
+
+        write_hf_assets(step_dir, model_record["hf_config"], model_record["processor"])
+
     def _expert_shape(self, key: str) -> tuple[int, int, int] | None:
         for suffix, shape in self.expert_shapes.items():
             if key.endswith(suffix):
