@@ -222,6 +222,16 @@ def check_midsize(work: Path, quick: bool, flavor: str) -> list[Result]:
     return out
 
 
+CHECKS = {
+    "tests": check_cuda_tests,
+    "staging": check_staging,
+    "tiny": check_tiny_vl,
+    "patch_embed": check_patch_embed,
+    "midsize": check_midsize,
+}
+"""``--only`` names, in the order they run."""
+
+
 # ------------------------------------------------------------------------------ workers
 def _worker_patch_embed(res: str) -> None:
     import torch
@@ -341,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated subset: tests,staging,tiny,"
                     "patch_embed,midsize")  # fmt: skip
     ns = ap.parse_args(argv)
+    only = [c for c in ns.only.split(",") if c] or list(CHECKS)
+    from torchtitan_ext.models.qwen3_vl.flavors import FLAVORS
+
+    if set(only) - set(CHECKS) or ns.flavor not in FLAVORS:  # refused here too, not on the GPU
+        bad = sorted(set(only) - set(CHECKS))
+        ap.error(f"--only {bad}: expected some of {','.join(CHECKS)}" if bad else
+                 f"--flavor {ns.flavor!r}: expected one of {', '.join(FLAVORS)}")  # fmt: skip
     import torch
 
     if not torch.cuda.is_available():
@@ -348,14 +365,7 @@ def main(argv: list[str] | None = None) -> int:
               "(nothing was run).")  # fmt: skip
         return 0
     print(f"gpu-check on {torch.cuda.get_device_name(0)} (torch {torch.__version__})", flush=True)
-    checks = {
-        "tests": check_cuda_tests,
-        "staging": check_staging,
-        "tiny": check_tiny_vl,
-        "patch_embed": check_patch_embed,
-        "midsize": lambda w, q: check_midsize(w, q, ns.flavor),
-    }
-    only = [c for c in ns.only.split(",") if c] or list(checks)
+    checks = {**CHECKS, "midsize": lambda w, q: check_midsize(w, q, ns.flavor)}
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=OUT_DIR))
     results: list[Result] = []

@@ -324,3 +324,20 @@ def test_user_facing_texts_name_no_seed_or_issue_numbers():
     for f in texts:
         for i, line in enumerate(f.read_text().splitlines(), 1):
             assert not bad.search(line), f"{f.name}:{i}: {line}"
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["--checkpoint.last_save_in_hf", "true"], "last_save_in_hf requires last_save_model_only"),
+        (["--loss.num_chunks", "4"], "Unrecognized options: --loss.num_chunks"),
+    ],
+)
+def test_a_value_torchtitan_refuses_is_one_line_with_its_reason(args, reason):
+    """tyro's error box (torchtitan's own validation, an unknown option) becomes one line with
+    the box's reason and where the values came from, not a bare "invalid override"."""
+    path = REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml"
+    with pytest.raises(ConfigError) as e:
+        load_config(path, args)
+    msg = str(e.value)
+    assert reason in msg and str(path) in msg and "\n" not in msg, msg

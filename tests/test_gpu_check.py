@@ -33,6 +33,14 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     assert "no CUDA device" in out.stdout and "nothing was run" in out.stdout
 
 
+@pytest.mark.parametrize("args", [["--only", "bogus"], ["--flavor", "nope"]])
+def test_bad_arguments_are_refused_before_looking_for_a_gpu(tmp_path, args):
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=_env(tmp_path)
+    )
+    assert out.returncode == 2 and "expected" in out.stderr, out.stderr
+
+
 def test_step_lines_are_parsed():
     sys.path.insert(0, str(SCRIPT.parent))
     try:

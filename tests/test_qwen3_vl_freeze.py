@@ -68,8 +68,15 @@ def test_every_parameter_has_its_component(flavor):
 
 
 def test_freeze_clears_requires_grad_and_logs_the_counts(caplog):
+    """Building the model is silent (preflight checks build it on the meta device too); the
+    counts are logged once, by the trainer's build (``log_counts`` in ``parallelize_qwen3_vl``)."""
+    from torchtitan_ext.models.qwen3_vl.freeze import log_counts
+
     with caplog.at_level("INFO"):
         model = meta_model("debugmodel", ["vision", "lm_head"])
+    assert not [r for r in caplog.records if "qwen3_vl parameters:" in r.getMessage()]
+    with caplog.at_level("INFO"):
+        log_counts(model, ["vision", "lm_head"], tied=False)
     for n, p in model.named_parameters():
         assert p.requires_grad == (component_of(n) not in ("vision", "lm_head")), n
     lines = [r.getMessage() for r in caplog.records if "qwen3_vl parameters:" in r.getMessage()]
@@ -108,18 +115,37 @@ def test_tied_embeddings_freeze_together():
     ],
 )
 def test_preflight_names_the_key_and_the_valid_names(tmp_path, toml, cli, match):
+    """Refused as the config loads (before the checkpoint or any other check could stop the
+    job first), and by the preflight check for callers that build a config by hand."""
     from torchtitan_ext.config import load_config
     from torchtitan_ext.models.qwen3_vl.preflight import check
     from torchtitan_ext.preflight import Job
 
     path = tmp_path / "job.toml"
     path.write_text(f'[model]\nmodule = "qwen3_vl"\nflavor = "debugmodel"\n{toml}\n')
-    cfg = load_config(path, cli)
     with pytest.raises(ConfigError, match=match) as e:
+        load_config(path, cli)
+    path.write_text('[model]\nmodule = "qwen3_vl"\nflavor = "debugmodel"\n')
+    cfg = load_config(path)
+    cfg.model_spec.model.freeze = ["vision", "text"] if toml else list(COMPONENTS)
+    with pytest.raises(ConfigError, match=match) as e2:
         check(Job(cfg, str(path)))
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(str(path))
-    assert "vision, merger, language_model, embeddings, lm_head" in msg
+    for msg in (str(e.value), str(e2.value)):
+        assert "\n" not in msg and msg.startswith(str(path))
+        assert "vision, merger, language_model, embeddings, lm_head" in msg
+
+
+def test_a_bad_freeze_is_named_even_when_the_job_has_nothing_left_to_train(tmp_path):
+    """A finished dump folder would answer "nothing to do" (exit 0) before the model checks."""
+    from torchtitan_ext import preflight
+    from torchtitan_ext.config import load_config
+
+    step = tmp_path / "out" / "checkpoint" / "step-20"
+    step.mkdir(parents=True)
+    (step / "model.safetensors.index.json").write_text("{}")
+    args = ["--dump_folder", str(tmp_path / "out"), "--model.freeze", "Vision"]
+    with pytest.raises(ConfigError, match="unknown component"):
+        preflight.run(load_config(REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml", args), "x")
 
 
 GROUPS = """

@@ -121,3 +121,20 @@ def normalize_bools(args: list[str], bools: set[str]) -> list[str]:
         out.append(a)
         i += 1
     return out
+
+
+def tyro_reason(box: Any) -> str:
+    """The first section of the error box tyro printed (into ``box``, a StringIO) as one line,
+    e.g. "Error parsing checkpoint: last_save_in_hf requires last_save_model_only=True." or
+    "Unrecognized options: --loss.num_chunks, 4" ("see --help" when there is no box). The rest
+    of the box (the list of subcommands, the pointer to --help) is left out."""
+    lines = []
+    for raw in box.getvalue().splitlines():
+        text = raw.strip().strip("│╭╮╰╯").strip()
+        if text.startswith("─"):
+            if lines:
+                break
+            continue
+        if text and not raw.lstrip().startswith(("╭", "╰")):
+            lines.append(text)
+    return " ".join(lines) or "invalid option (see --help)"

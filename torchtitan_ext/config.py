@@ -34,7 +34,10 @@ embedded corpus and its locally built tokenizer (see :mod:`torchtitan_ext.data.e
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
+import shlex
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -325,18 +328,24 @@ def load_config(
 
     if args:
         args = cli.normalize_bools(args, cli.bool_options(cfg))
+        box = io.StringIO()  # tyro's error box, turned into one line below
         try:
-            cfg = tyro.cli(
-                ExtTrainer.Config,
-                args=args,
-                default=cfg,
-                registry=custom_registry,
-                prog="python -m torchtitan_ext.train --config-file FILE",
-            )
+            with contextlib.redirect_stderr(box):
+                cfg = tyro.cli(
+                    ExtTrainer.Config,
+                    args=args,
+                    default=cfg,
+                    registry=custom_registry,
+                    prog="python -m torchtitan_ext.train --config-file FILE",
+                )
         except SystemExit as e:
             if e.code not in (0, None):
-                raise ConfigError(f"invalid command-line override in {args}") from None
+                raise ConfigError(
+                    f"{file} with the command line {shlex.join(args)}: {cli.tyro_reason(box)}"
+                ) from None
+            sys.stderr.write(box.getvalue())
             raise
+        sys.stderr.write(box.getvalue())
     finalize(cfg, file)
     return cfg
 
@@ -375,13 +384,17 @@ def apply_model_options(cfg: ExtTrainer.Config, file: str = "<config>") -> None:
             continue
         if not hasattr(model_cfg, name):
             raise ConfigError(
-                f"{file}: [model] {name}: model {cfg.model_spec.name!r} has no such option "
-                "(a qwen3_vl setting); remove the key"
+                f"{file}: [model] {name} (in the file or --model.{name}): model "
+                f"{cfg.model_spec.name!r} has no such option (it is a qwen3_vl setting)"
             )
         if isinstance(value, list):  # --model.freeze vision,merger
             value = [v.strip() for item in value for v in str(item).split(",") if v.strip()]
             setattr(cfg.model, name, value)
         setattr(model_cfg, name, value)
+    check = getattr(model_cfg, "option_problem", None)
+    problem = check() if callable(check) else None
+    if problem:
+        raise ConfigError(f"{file}: {problem}")
 
 
 def finalize(cfg: ExtTrainer.Config, file: str = "<config>") -> None:

@@ -133,16 +133,18 @@ def parameter_counts(model: nn.Module) -> dict[str, tuple[int, int]]:
 def apply_freeze(model: nn.Module, freeze: Iterable[str], *, tied: bool) -> None:
     """Set ``requires_grad = False`` on every parameter of the ``freeze`` components of ``model``
     (a ``Qwen3VLModel`` being built; ``Qwen3VLModel.__init__`` has checked ``freeze`` with
-    :func:`freeze_problem` before building) and log the trainable / frozen counts."""
+    :func:`freeze_problem` before building). Silent: the model is also built on the meta device
+    by preflight checks; the trainer's build logs the counts (:func:`log_counts`, called from
+    ``parallelize_qwen3_vl``)."""
     freeze = list(freeze)
     for name, p in model.named_parameters():
         if component_of(name) in freeze:
             p.requires_grad_(False)
-    log_counts(parameter_counts(model), freeze, tied=tied)
 
 
-def log_counts(counts: dict[str, tuple[int, int]], freeze: list[str], *, tied: bool) -> None:
+def log_counts(model: nn.Module, freeze: list[str], *, tied: bool) -> None:
     """One log line per component (trainable / frozen parameters), then the totals."""
+    counts = parameter_counts(model)
     width = max(len(c) for c in counts)
     for c, (t, f) in counts.items():
         note = " (tied: counted under embeddings)" if tied and c == "lm_head" else ""

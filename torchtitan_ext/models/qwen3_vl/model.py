@@ -86,6 +86,23 @@ class Qwen3VLModel(BaseModel):
         patch_embed: str = "conv"
         """``[model] patch_embed``: a key of :data:`PATCH_EMBEDS`."""
 
+        def option_problem(self) -> str | None:
+            """What is wrong with the ``[model]`` options (``freeze``, ``patch_embed``), as one
+            sentence naming the key, or None. The config loader asks right after the command
+            line is applied, so a bad value is refused before any other check or build."""
+            from torchtitan_ext.models.qwen3_vl.freeze import freeze_problem
+
+            tied = bool(self.hf_config.get("tie_word_embeddings"))
+            problem = freeze_problem(self.freeze, tied=tied)
+            if problem:
+                return f"[model] freeze = {list(self.freeze)}: {problem}"
+            if self.patch_embed not in PATCH_EMBEDS:
+                return (
+                    f"[model] patch_embed = {self.patch_embed!r}: expected one of "
+                    f"{', '.join(repr(p) for p in PATCH_EMBEDS)}"
+                )
+            return None
+
         def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
             # Nothing to take from the job: the HF config is complete, and the token ids, pack
             # length and batch format are checked before anything is built (preflight.py).

@@ -62,8 +62,10 @@ def check(job: Any) -> None:
     hf_config = cfg.model_spec.model.hf_config
     flavor = cfg.model_spec.flavor
     _check_parallelism(cfg.parallelism, fail)
+    problem = cfg.model_spec.model.option_problem()  # as the config loader (direct API use)
+    if problem:
+        raise fail(problem)
     _check_freeze(cfg, fail)
-    _check_patch_embed(cfg.model_spec.model, fail)
     for where, loader in job.loaders():
         _check_format(where, loader, fail)
         _check_tokens(cfg, flavor, hf_config, where, loader, fail)
@@ -106,17 +108,12 @@ def _check_parallelism(par: Any, fail: Any) -> None:
 
 
 def _check_freeze(cfg: Any, fail: Any) -> None:
-    from torchtitan_ext.models.qwen3_vl.freeze import (
-        COMPONENTS,
-        freeze_problem,
-        frozen_only_patterns,
-    )
+    """What ``[model] freeze`` leaves to train fits the loss and the optimizer groups (the names
+    themselves: ``Config.option_problem``, asked just before)."""
+    from torchtitan_ext.models.qwen3_vl.freeze import COMPONENTS, frozen_only_patterns
 
     model = cfg.model_spec.model
     freeze = list(model.freeze)
-    problem = freeze_problem(freeze, tied=bool(model.hf_config.get("tie_word_embeddings")))
-    if problem:
-        raise fail(f"[model] freeze = {freeze}: {problem}")
     if not freeze:
         return
     chunks = getattr(cfg.loss, "num_chunks", None)
@@ -144,16 +141,6 @@ def _parameter_names(hf_config: dict) -> list[str]:
 
     with torch.device("meta"):
         return [n for n, _ in build_hf_model(hf_config).named_parameters()]
-
-
-def _check_patch_embed(model_cfg: Any, fail: Any) -> None:
-    from torchtitan_ext.models.qwen3_vl.model import PATCH_EMBEDS
-
-    if model_cfg.patch_embed not in PATCH_EMBEDS:
-        raise fail(
-            f"[model] patch_embed = {model_cfg.patch_embed!r}: expected one of "
-            f"{', '.join(repr(p) for p in PATCH_EMBEDS)}"
-        )
 
 
 def _check_format(where: str, loader: Any, fail: Any) -> None:
