@@ -107,3 +107,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# The launcher's rendezvous variables: a test that builds a trainer in this process must not
+# leave them behind, or every later test's training subprocess inherits its MASTER_PORT (and
+# LOCAL_RANK, so it would not pick a free port of its own) and fails with EADDRINUSE.
+_RENDEZVOUS_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+_SESSION_RENDEZVOUS = {v: os.environ.get(v) for v in _RENDEZVOUS_ENV}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_rendezvous_env():
+    """Compared with the session's start, not the test's: a module fixture that builds a trainer
+    is set up before this fixture, and its leak shows at its first test's teardown."""
+    yield
+    after = {v: os.environ.get(v) for v in _RENDEZVOUS_ENV}
+    if after != _SESSION_RENDEZVOUS:
+        for v, val in _SESSION_RENDEZVOUS.items():
+            if val is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = val
+        leaked = {v: after[v] for v in _RENDEZVOUS_ENV if after[v] != _SESSION_RENDEZVOUS[v]}
+        pytest.fail(
+            f"this test (or its fixtures) left rendezvous variables in os.environ: {leaked}"
+        )

@@ -354,9 +354,12 @@ def train_here(argv: list[str], steps: int, load: bool) -> dict[str, Any]:
     """Build the trainer in this process exactly as the launcher does, :func:`record`, close."""
     from tests.support.qwen3_vl_probe import build_trainer
 
-    mp = pytest.MonkeyPatch()
+    # The launcher's rendezvous variables (RANK, MASTER_PORT, ...) are set in os.environ by the
+    # build: restore the whole environment afterwards, or every later test's subprocess inherits
+    # this trainer's MASTER_PORT (and LOCAL_RANK, so it would not pick a free port of its own).
+    saved = dict(os.environ)
     for var in DIST_ENV:  # a fresh single-process rendezvous per trainer
-        mp.delenv(var, raising=False)
+        os.environ.pop(var, None)
     trainer = None
     try:
         trainer = build_trainer(argv)
@@ -366,7 +369,8 @@ def train_here(argv: list[str], steps: int, load: bool) -> dict[str, Any]:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        mp.undo()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
