@@ -55,21 +55,11 @@ COMPILED = "cached + compile"
 
 def _worker(out: str, steps: int, warmup: int, argv: list[str]) -> None:
     """In a fresh process: build the trainer like the launcher, time ``steps`` train steps."""
-    from torchtitan_ext.train import ensure_single_process_env
-
-    ensure_single_process_env()
-    from torchtitan_ext import cpu_compat
-
-    cpu_compat.apply()
     import torch
 
-    from torchtitan_ext import preflight
-    from torchtitan_ext.config import load_config
+    from torchtitan_ext.train import build_trainer
 
-    cfg = load_config(str(TINY), argv)
-    cpu_compat.adapt_config(cfg)
-    preflight.run(cfg, str(TINY))
-    trainer = cfg.build()
+    trainer = build_trainer(str(TINY), argv)
     mp = trainer.metrics_processor
     mp.log = lambda *a, **k: None  # no log lines (and no reset of the wait list) while timing
     it = trainer.batch_generator(trainer.dataloader)

@@ -269,27 +269,22 @@ def _worker_patch_embed(res: str) -> None:
 
 
 def _worker_midsize(res: str, flavor: str, quick: bool, argv: list[str]) -> None:
-    from torchtitan_ext.train import ensure_single_process_env
-
-    ensure_single_process_env()
     import torch
 
-    from torchtitan_ext import cpu_compat, preflight
-    from torchtitan_ext.config import load_config
     from torchtitan_ext.models.qwen3_vl.flavors import OFFLINE_TOKEN_IDS
+    from torchtitan_ext.train import build_trainer
 
-    cpu_compat.apply()
     seq = 4096
     args = ["--model.flavor", flavor, "--training.seq_len", str(seq)]
     args += ["--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16"]
     args += ["--dataloader.buckets", "2048", "3072", "--dataloader.normalize_on", "device"]
     args += ["--staging.enable", "--checkpoint.no-enable"]
     args += ["--dump_folder", str(Path(res).parent / f"mid_{flavor}"), "--training.steps", "1000"]
-    cfg = load_config(str(TINY), args + argv)
-    cfg.model_spec.model.hf_config.update(OFFLINE_TOKEN_IDS)  # the embedded processor's ids
-    cpu_compat.adapt_config(cfg)
-    preflight.run(cfg, str(TINY))
-    trainer = cfg.build()
+
+    def embedded_ids(cfg) -> None:  # the embedded processor's special-token ids
+        cfg.model_spec.model.hf_config.update(OFFLINE_TOKEN_IDS)
+
+    trainer = build_trainer(str(TINY), args + argv, edit=embedded_ids)
     mp = trainer.metrics_processor
     mp.log = lambda *a, **k: None  # no log lines (and no reset of the wait list) while timing
     it = trainer.batch_generator(trainer.dataloader)

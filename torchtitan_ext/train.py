@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
 
 def _free_port() -> int:
@@ -99,6 +100,26 @@ def main(argv: list[str] | None = None) -> int:
     for note in job.notes:
         logger.info(f"preflight: {note}")
     return run(config)
+
+
+def build_trainer(config_file: str | None, argv: list[str], edit: Any = None) -> Any:
+    """The trainer, built in this process from a config file and ``--section.key value``
+    overrides the way :func:`main` builds it (rendezvous env, CPU shims, config layers,
+    preflight), for benchmarks and probes that time or inspect its steps. ``edit(config)``, if
+    given, changes the loaded config before the preflight. Raises ConfigError as main reports."""
+    ensure_single_process_env()
+    from torchtitan_ext import cpu_compat
+
+    cpu_compat.apply()
+    from torchtitan_ext import preflight
+    from torchtitan_ext.config import load_config
+
+    config = load_config(config_file, argv)
+    if edit is not None:
+        edit(config)
+    cpu_compat.adapt_config(config)
+    preflight.run(config, str(config_file))
+    return config.build()
 
 
 def run(config) -> int:

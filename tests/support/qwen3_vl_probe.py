@@ -33,20 +33,12 @@ FLAVORS.update(TEST_FLAVORS)  # this process only
 
 
 def build_trainer(argv: list[str]) -> Any:
-    from torchtitan_ext.train import ensure_single_process_env, parse_launcher_args
+    """``--config-file X [--section.key v ...]`` -> the trainer, built as the launcher does."""
+    from torchtitan_ext.train import build_trainer as build
+    from torchtitan_ext.train import parse_launcher_args
 
     ns, rest = parse_launcher_args(argv)
-    ensure_single_process_env()
-    from torchtitan_ext import cpu_compat
-
-    cpu_compat.apply()
-    from torchtitan_ext import preflight
-    from torchtitan_ext.config import load_config
-
-    cfg = load_config(ns.config_file, rest)
-    cpu_compat.adapt_config(cfg)
-    preflight.run(cfg, str(ns.config_file))
-    return cfg.build()
+    return build(ns.config_file, rest)
 
 
 def run_model(trainer: Any, input_dict: dict, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
