@@ -330,7 +330,7 @@ def _wait_rows(args, corpus, tok, tok_dir, makers, n_batches, steps, warm, delay
     alternate within each round (A B C, A B C: "ours, normal priority" runs right after "ours",
     at its rate, so it is an A/B of the thread policy)."""
     wait_makers = {k: v for k, v in makers.items() if k != "ours, tokenizers engine"}
-    # What the adaptive SCHED_IDLE policy buys (torchtitan_ext.text.priority), same run.
+    # What the adaptive SCHED_IDLE policy buys (torchtitan_ext.pipeline.priority), same run.
     wait_makers["ours, normal priority"] = lambda d: (
         lambda: PrefetchingParquetLoader(
             corpus,

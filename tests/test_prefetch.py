@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torchtitan_ext.data.embedded import ensure_embedded_data
 from torchtitan_ext.text.errors import BadInputError
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
-from torchtitan_ext.text.priority import can_leave_idle
+from torchtitan_ext.pipeline.priority import can_leave_idle
 from torchtitan_ext.text.tokenize import TextTokenizer
 
 REPO = Path(__file__).resolve().parents[1]

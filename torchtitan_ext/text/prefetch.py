@@ -20,7 +20,7 @@ Pipeline and its invariants:
   the class), does no tokenizing, packing, copying or freeing (the snapshot it drops is freed by
   the producer): 3-10 us median. A producer that finds the queue full sleeps on its own timer
   until the consumer, at its measured rate, has taken it down to half, then refills it in a burst.
-* **Thread policy** (:mod:`torchtitan_ext.text.priority`, ``thread_priority``) — by default the
+* **Thread policy** (:mod:`torchtitan_ext.pipeline.priority`, ``thread_priority``) — by default the
   producer and readers run at ``SCHED_IDLE`` while the queue is full and at the normal policy
   once it runs low, so that a waking training thread preempts them instead of queueing behind
   them; used only where the process may switch back (``CAP_SYS_NICE``).
@@ -55,7 +55,7 @@ Pipeline and its invariants:
   2-core machine, with no gain in tokens/s there). ``tokenizer_parallelism=True`` opts out.
 
 Layout: this module is the public loader and its state; :mod:`~torchtitan_ext.text.producer`
-holds the background producer, :mod:`~torchtitan_ext.text.handoff` the ready queue,
+holds the background producer, :mod:`~torchtitan_ext.pipeline.handoff` the ready queue,
 :mod:`~torchtitan_ext.text.packer_state` the checkpoint encoding of the packer, and
 :mod:`torchtitan_ext.threads` the shared error relay and bounded join. Measured (tokens per
 CPU-second against torchtitan's loader, data-wait share, ``next()`` p50/p99, slow storage, thread
@@ -78,11 +78,11 @@ import torch
 from torchtitan_ext.text.errors import OnBadInput, check_on_bad_input
 
 # re-exported: the hand-off is tested through this module
-from torchtitan_ext.text.handoff import _ReadyQueue as _ReadyQueue
+from torchtitan_ext.pipeline.handoff import _ReadyQueue as _ReadyQueue
 from torchtitan_ext.text.packer_state import decode_packer, encode_packer
 from torchtitan_ext.text.packing import PACKING_MODES, BestFitPacker, ConcatSplitPacker, make_packer
 from torchtitan_ext.text.parquet import ParquetSource
-from torchtitan_ext.text.priority import PRIORITY_MODES
+from torchtitan_ext.pipeline.priority import PRIORITY_MODES
 from torchtitan_ext.text.producer import _End, _Failure, _Producer, _shutdown, _Snapshot
 from torchtitan_ext.text.tokenize import TextTokenizer
 from torchtitan_ext.threads import relay
@@ -126,7 +126,7 @@ class PrefetchingParquetLoader:
         thread_priority: OS scheduling policy of the producer and reader threads:
             ``"adaptive"`` (``SCHED_IDLE`` while the queue is full, normal when it runs low; only
             where the process may switch back, else normal), ``"idle"`` or ``"normal"`` (see
-            :mod:`torchtitan_ext.text.priority`).
+            :mod:`torchtitan_ext.pipeline.priority`).
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 One :class:`_Producer` per run of the thread: it reads chunks from the
 :class:`~torchtitan_ext.text.parquet.ParquetSource`, tokenizes them, packs rows and queues
 finished batches, each with a :class:`_Snapshot` of its state right after that batch, on the
-:class:`~torchtitan_ext.text.handoff._ReadyQueue`. The end of a finite pass travels as an
+:class:`~torchtitan_ext.pipeline.handoff._ReadyQueue`. The end of a finite pass travels as an
 :class:`_End`, an exception as a :class:`_Failure` that the loader re-raises
 (:func:`torchtitan_ext.threads.relay`). The pipeline's invariants are in the prefetch module's
 docstring.
@@ -26,10 +26,10 @@ import torch
 from torchtitan_ext import threads
 from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.text.errors import SkipLog
-from torchtitan_ext.text.handoff import _ReadyQueue
+from torchtitan_ext.pipeline.handoff import _ReadyQueue
 from torchtitan_ext.text.packing import BestFitPacker, ConcatSplitPacker
 from torchtitan_ext.text.parquet import ParquetSource
-from torchtitan_ext.text.priority import ThreadGroupPriority
+from torchtitan_ext.pipeline.priority import ThreadGroupPriority
 from torchtitan_ext.text.tokenize import TextTokenizer
 
 # The public module's name: users configure (and filter) the loader's logging under it.

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from torchtitan_ext.text.priority import ThreadGroupPriority
+from torchtitan_ext.pipeline.priority import ThreadGroupPriority
 
 
 class _ReadyQueue:
@@ -45,7 +45,7 @@ class _ReadyQueue:
         # Below the refill point on purpose: reaching `low` is the normal cycle; falling well
         # under it means the producer is not keeping up at idle priority.
         self.promote_at = self.low // 2
-        # Adaptive policy of the producer's threads (see torchtitan_ext.text.priority): idle once
+        # Adaptive policy of the producer's threads (see torchtitan_ext.pipeline.priority): idle once
         # the queue is full, normal again as soon as get() finds it below the low watermark.
         self.priority = priority
         self._items: collections.deque = collections.deque()

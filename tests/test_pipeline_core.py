@@ -1,0 +1,80 @@
+"""The stage contract's building blocks: Prefetch (state travels with its item, reset, errors,
+end, close) and the checkpoint envelope (pickle-free round trip, one-line refusals)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchtitan_ext.pipeline import checkpoint as ckpt
+from torchtitan_ext.pipeline.prefetch import Prefetch
+from torchtitan_ext.pipeline.stage import Map, Stage
+
+
+class Counter(Stage[int]):
+    """0, 1, ..., n-1; state = next value; raises at ``fail_at``."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at, self.i = n, fail_at, 0
+
+    def next(self) -> int:
+        if self.i == self.fail_at:
+            raise KeyError(f"bad row {self.i}")
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state(self) -> dict:
+        return {"i": self.i}
+
+    def reset(self, state: dict | None = None) -> None:
+        self.i = 0 if state is None else int(state["i"])
+
+    def stats(self, state: dict) -> dict:
+        return {"taken": state["i"]}
+
+
+def test_prefetch_state_is_the_consumers_position_and_reset_replays() -> None:
+    p = Prefetch(Map(Counter(20), lambda x: x * 10), queue_size=4)
+    assert [p.next() for _ in range(5)] == [0, 10, 20, 30, 40]
+    st = p.state()
+    assert st == {"i": 5}  # not where the thread got to
+    assert p.get_stats()["taken"] == 5
+    rest = list(p)
+    assert rest == [x * 10 for x in range(5, 20)] and p.state() == {"i": 20}
+    p.reset(st)
+    assert list(p) == rest
+    p.reset(None)
+    assert p.next() == 0
+    assert p.close() and p.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        p.next()
+
+
+def test_prefetch_relays_the_same_exception_with_a_note() -> None:
+    p = Prefetch(Counter(10, fail_at=3), queue_size=2, name="toy")
+    assert [p.next() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(KeyError, match="bad row 3") as ei:
+        p.next()
+    assert any("toy" in n for n in ei.value.__notes__)
+    p.close()
+
+
+def test_envelope_round_trip_is_pickle_free() -> None:
+    states = [{"a": np.arange(5, dtype=np.int32), "b": [1, (2, 3)], "c": b"x"}, {"a": None}]
+    env = ckpt.envelope("toy", states, "any")
+    blob = repr(env)
+    assert "ndarray" in blob and "pickle" not in blob
+    back = ckpt.open_envelope(env, "toy", 3)
+    assert back[0]["a"].dtype == np.int32 and back[0]["a"].tolist() == [0, 1, 2, 3, 4]
+    assert back[0]["b"] == [1, [2, 3]] and back[1] == {"a": None}
+    with pytest.raises(ckpt.LoaderStateError, match="written by 'toy'"):
+        ckpt.open_envelope(env, "other", 2)
+    same = ckpt.envelope("toy", states, "same")
+    with pytest.raises(ckpt.LoaderStateError, match="saved by 2 DP ranks"):
+        ckpt.open_envelope(same, "toy", 3)
+    with pytest.raises(ckpt.LoaderStateError, match="not in this version's format"):
+        ckpt.open_envelope({"dp_rank_0": {}, "world_size": 1}, "toy", 1)
+    with pytest.raises(TypeError, match=r"toy.ranks\[0\].bad"):
+        ckpt.envelope("toy", [{"bad": object()}])

@@ -1,0 +1,259 @@
+"""Prefetch: the one background hand-off of every loader — runs its upstream chain in a thread.
+
+Contract (:class:`~torchtitan_ext.pipeline.stage.Stage`): ``next()`` returns the upstream's next
+item; ``state()`` is the upstream's ``state()`` taken *in the thread, right after that item was
+made* (one snapshot per item, travelling with it), so whatever is still queued is simply made
+again after a resume; ``reset(s)`` stops the thread, and the next ``next()`` restarts it from
+``s``. The stage adds no position of its own: its state *is* its upstream's.
+
+Why a thread. The expensive steps (tokenizers' Rust encode, pyarrow reads, the host-to-device
+copy) release the GIL, so one thread overlaps them with the training loop without pickling
+documents across processes.
+
+Why this hand-off. :class:`~torchtitan_ext.pipeline.handoff._ReadyQueue` — ``next()`` is a
+``deque`` pop that never wakes the producer (``queue.Queue.get`` does, from inside the training
+loop: 2-5 ms stalls a few times per 100 steps on 2 cores, traced with ``perf sched``). This
+is what torchdata.nodes' ``Prefetcher`` and Grain's prefetch do not offer, and what decided the
+contract: ``python -m benchmarks handoff`` measures ``next()`` p50/p99 of each under a consumer
+that is busy half of the time (figures in ``benchmarks/RESULTS.md``).
+
+Other duties, each in one place:
+
+* **Then** — an optional ``then(item)`` runs in the thread after the snapshot: device staging
+  over a prefetching stage passes its host-to-device copy here, so it needs no thread, queue or
+  snapshot of its own.
+* **Errors** — an exception in the thread is re-raised by ``next()`` as the *same* object
+  (:func:`torchtitan_ext.threads.relay`); the stage's state becomes the upstream's
+  ``state_after_error()`` where it defines one (the counts up to the error), else stays.
+* **End** — a finite upstream's ``StopIteration`` travels with the state at the end of the
+  pass; ``next()`` raises ``StopIteration`` from then on, until ``reset``.
+* **Freeing** — the state the consumer moves past is handed back to the thread and freed
+  there (freeing a packer snapshot of ~1000 entries took ~35 us of the training loop).
+* **Thread policy** — :mod:`~torchtitan_ext.pipeline.priority` (``thread_priority``): idle
+  while the queue is full, normal when it runs low; the upstream's helper threads join the group.
+* **Shutdown** — ``close()``, ``with``, and a ``weakref.finalize`` (also at interpreter exit) set
+  the stop event and join the thread under a deadline (:func:`torchtitan_ext.threads.join`); the
+  thread holds no reference to the stage, so dropping the stage stops it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_ext import threads
+from torchtitan_ext.pipeline.handoff import _ReadyQueue
+from torchtitan_ext.pipeline.priority import PRIORITY_MODES, ThreadGroupPriority
+from torchtitan_ext.pipeline.stage import Stage, State
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Item:
+    value: Any
+    state: State
+
+
+@dataclass
+class _End:
+    state: State
+
+
+@dataclass
+class _Failure:
+    exc: BaseException
+    state: State | None
+
+
+class _Worker:
+    """One run of the thread. Holds no reference to the :class:`Prefetch` (so dropping the stage
+    runs its finalizer, which stops us)."""
+
+    def __init__(
+        self,
+        upstream: Stage[Any],
+        then: Callable[[Any], Any] | None,
+        queue_size: int,
+        name: str,
+        thread_priority: str,
+    ) -> None:
+        self.upstream = upstream
+        self.then = then
+        self.priority = ThreadGroupPriority(thread_priority)
+        self.q = _ReadyQueue(queue_size, self.priority)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.busy_s = 0.0
+        self.retired: collections.deque = collections.deque()
+
+    def _run(self) -> None:
+        self.priority.join_current_thread()
+        up = self.upstream
+        try:
+            while not self.stop_event.is_set():
+                self.retired.clear()
+                t0 = time.perf_counter()
+                try:
+                    value = up.next()
+                except StopIteration:
+                    self.q.put(_End(up.state()), self.stop_event)
+                    return
+                if self.stop_event.is_set():
+                    return  # the upstream may have ended early because of the stop
+                st = up.state()
+                if self.then is not None:
+                    value = self.then(value)
+                self.busy_s += time.perf_counter() - t0
+                if not self.q.put(_Item(value, st), self.stop_event):
+                    return
+        except BaseException as e:  # noqa: BLE001 - relayed to the consumer, which re-raises it
+            after = getattr(up, "state_after_error", None)
+            self.q.put(_Failure(e, after() if after is not None else None), self.stop_event)
+        finally:
+            self.priority.leave_current_thread()
+            self.priority.close()
+
+    def stop(self, timeout: float) -> bool:
+        self.stop_event.set()
+        self.q.clear()
+        return not threads.join([self.thread], timeout, logger, "left running as a daemon")
+
+
+def _shutdown(ref: list[_Worker | None], timeout: float = 10.0) -> bool:
+    w, ref[0] = ref[0], None
+    return w.stop(timeout) if w is not None else True
+
+
+class Prefetch(Stage[Any]):
+    """Run ``upstream`` in a background thread, ``queue_size`` items ahead (see the module doc).
+
+    Args:
+        upstream: the chain to run in the thread; used only by that thread while it runs.
+        queue_size: items made ahead (the backpressure bound).
+        name: the thread's name (shows in ``py-spy`` / error notes).
+        thread_priority: ``"adaptive"`` | ``"idle"`` | ``"normal"``
+            (:mod:`~torchtitan_ext.pipeline.priority`).
+        then: applied to each item in the thread, after its state was taken (device staging).
+    """
+
+    def __init__(
+        self,
+        upstream: Stage[Any],
+        *,
+        queue_size: int = 8,
+        name: str = "prefetch",
+        thread_priority: str = "adaptive",
+        then: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if thread_priority not in PRIORITY_MODES:
+            raise ValueError(
+                f"thread_priority must be one of {PRIORITY_MODES}, got {thread_priority!r}"
+            )
+        self.upstream = upstream
+        self.queue_size = queue_size
+        self.name = name
+        self.thread_priority = thread_priority
+        self.then = then
+        self._state: State = upstream.state()
+        self._upstream_at_state = True  # the upstream sits exactly at self._state
+        self._done = False
+        self._wait_s = 0.0
+        self._ref: list[_Worker | None] = [None]
+        self._finalizer = weakref.finalize(self, _shutdown, self._ref)
+
+    # ------------------------------------------------------------------ thread control
+    def _worker(self) -> _Worker:
+        w = self._ref[0]
+        if w is None:
+            if not self._finalizer.alive:
+                raise RuntimeError(f"{self.name}: the stage is closed")
+            if not self._upstream_at_state:
+                self.upstream.reset(self._state)
+            w = _Worker(self.upstream, self.then, self.queue_size, self.name, self.thread_priority)
+            self.upstream.join_threads(w.priority)
+            self._ref[0] = w
+            self._upstream_at_state = False  # the thread moves it on from here
+            w.thread.start()
+        return w
+
+    def _stop(self) -> None:
+        _shutdown(self._ref)
+
+    @property
+    def worker(self) -> _Worker | None:
+        """The running thread's worker (None when stopped): its queue, busy time and policy."""
+        return self._ref[0]
+
+    # ------------------------------------------------------------------ contract
+    def next(self) -> Any:
+        if self._done:
+            raise StopIteration
+        w = self._worker()
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = w.q.get(0.5)
+                break
+            except queue.Empty:
+                if not w.thread.is_alive():
+                    raise RuntimeError(f"{self.name}: thread ended without a result") from None
+        self._wait_s += time.perf_counter() - t0
+        if isinstance(item, _Item):
+            w.retired.append(self._state)  # freed by the thread, not on the training loop
+            self._state = item.state
+            return item.value
+        self._stop()
+        if isinstance(item, _End):
+            self._done = True
+            self._state = item.state
+            raise StopIteration
+        if item.state is not None:
+            self._state = item.state
+        raise threads.relay(item.exc, f"the background thread {w.thread.name!r}", f"{self.name}")
+
+    def state(self) -> State:
+        return self._state
+
+    def reset(self, state: State | None = None) -> None:
+        self._stop()
+        self.upstream.reset(state)
+        self._state = self.upstream.state() if state is None else state
+        self._upstream_at_state = True
+        self._done = False
+
+    def close(self, timeout: float = 10.0) -> bool:  # type: ignore[override]
+        """Stop the thread (idempotent), waiting up to ``timeout`` s; False if it is still
+        running then (logged with where it is blocked). Closes the upstream too."""
+        if self._finalizer.detach() is None:
+            return True
+        ok = _shutdown(self._ref, timeout)
+        self.upstream.close()
+        return ok
+
+    def stats(self, state: State) -> dict[str, Any]:
+        return self.upstream.stats(state)
+
+    def get_stats(self) -> dict[str, Any]:
+        """The upstream's counters as of the last item returned, plus the hand-off's own."""
+        w = self._ref[0]
+        out = dict(self.upstream.stats(self._state))
+        out.update(
+            queue_depth=w.q.qsize() if w is not None else 0,
+            queue_capacity=self.queue_size,
+            thread_alive=bool(w is not None and w.thread.is_alive()),
+            consumer_wait_ms=self._wait_s * 1e3,
+            producer_busy_ms=(w.busy_s * 1e3) if w is not None else 0.0,
+            threads_idle=int(w is not None and w.priority.idle),
+            priority_switches=w.priority.switches if w is not None else 0,
+        )
+        return out

@@ -1,0 +1,109 @@
+"""The one contract of every part of a loader: ``next``, ``state``, ``reset``, ``close``.
+
+A loader is a chain of stages — a source (Parquet row groups, an HF stream, VL cache packs), then
+transforms (tokenize + pack, VL collate), then :class:`~torchtitan_ext.pipeline.prefetch.Prefetch`
+(the one background hand-off), then device staging — and every stage speaks the same four calls:
+
+==============  ======================================================================
+``next()``      the next item; ``StopIteration`` at the end of a finite stream. Errors keep
+                their type (``BadInputError`` names file / row; a background thread's
+                exception is re-raised as the same object with a note).
+``state()``     the position right *after* the last item ``next()`` returned: a tree of
+                ``int``/``float``/``str``/``bytes``/``bool``/``None``, numpy arrays, lists and
+                dicts (:data:`State`). It must be cheap (a prefetching stage takes one per
+                item, in its thread) and must never change after it is returned (copy, or
+                share only what is never mutated, like the document arrays of a packer).
+``reset(s)``    go to ``s`` (a value ``state()`` returned, possibly from another process after
+                :mod:`~torchtitan_ext.pipeline.checkpoint` encoded and decoded it) or, with
+                ``None``, to the start. The items that follow are bitwise the ones that
+                followed ``s`` the first time (the exact-resume invariant).
+``close()``     release threads and files; idempotent; a closed stage cannot be iterated.
+==============  ======================================================================
+
+Why our own class (and not torchdata.nodes' ``BaseNode`` or Grain's ``DatasetIterator``): both
+have the same four calls under other names (``next``/``state_dict``/``reset``,
+``get_state``/``set_state``), and this class keeps their shape so an adapter is a few lines. The
+deciding measurement is the hand-off (``python -m benchmarks handoff``, figures in
+``benchmarks/RESULTS.md``); the reasoning is in :mod:`~torchtitan_ext.pipeline.prefetch`.
+
+Layering: this package imports only the standard library, numpy and torch; ``text``, ``vl`` and
+``device`` build their stages on it, never the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+State = Any
+"""A stage's position: ints, floats, strs, bytes, bools, None, numpy arrays, lists and dicts."""
+
+
+class Stage(Generic[T]):
+    """Base of every stage (see the module docstring for the contract).
+
+    Subclasses implement :meth:`next`, :meth:`state` and :meth:`reset`; :meth:`close` defaults
+    to closing :attr:`upstream` (a source has none). Iteration (``for x in stage``) calls
+    :meth:`next`; ``with stage:`` closes it.
+    """
+
+    upstream: Stage[Any] | None = None
+
+    def next(self) -> T:
+        raise NotImplementedError
+
+    def state(self) -> State:
+        raise NotImplementedError
+
+    def reset(self, state: State | None = None) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+
+    def stats(self, state: State) -> dict[str, Any]:
+        """Counters for the per-step log line as of ``state`` (one this stage returned): a pure
+        function of it, so a prefetching stage can report exactly the position of the last item
+        it handed over while its thread runs ahead. A stage adds its own to its upstream's."""
+        return self.upstream.stats(state) if self.upstream is not None else {}
+
+    def join_threads(self, group: Any) -> None:
+        """Called by a prefetching stage before it runs this chain in its thread: helper threads
+        this stage starts (read-ahead) should join ``group``
+        (:class:`~torchtitan_ext.pipeline.priority.ThreadGroupPriority`). Default: pass it on."""
+        if self.upstream is not None:
+            self.upstream.join_threads(group)
+
+    # Python protocols -------------------------------------------------------------------
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        return self.next()
+
+    def __enter__(self) -> Stage[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Map(Stage[U]):
+    """A stateless transform: ``fn(upstream.next())``; its state is its upstream's."""
+
+    def __init__(self, upstream: Stage[T], fn: Callable[[T], U]) -> None:
+        self.upstream = upstream
+        self.fn = fn
+
+    def next(self) -> U:
+        return self.fn(self.upstream.next())
+
+    def state(self) -> State:
+        return self.upstream.state()
+
+    def reset(self, state: State | None = None) -> None:
+        self.upstream.reset(state)
