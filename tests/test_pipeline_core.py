@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from torchtitan_ext.pipeline import checkpoint as ckpt
-from torchtitan_ext.pipeline.prefetch import Prefetch
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import Map, Stage
 
 
@@ -36,7 +36,7 @@ class Counter(Stage[int]):
 
 
 def test_prefetch_state_is_the_consumers_position_and_reset_replays() -> None:
-    p = Prefetch(Map(Counter(20), lambda x: x * 10), queue_size=4)
+    p = Prefetch(Map(Counter(20), lambda x: x * 10), PrefetchOptions(queue_size=4))
     assert [p.next() for _ in range(5)] == [0, 10, 20, 30, 40]
     st = p.state()
     assert st == {"i": 5}  # not where the thread got to
@@ -53,7 +53,7 @@ def test_prefetch_state_is_the_consumers_position_and_reset_replays() -> None:
 
 
 def test_prefetch_relays_the_same_exception_with_a_note() -> None:
-    p = Prefetch(Counter(10, fail_at=3), queue_size=2, name="toy")
+    p = Prefetch(Counter(10, fail_at=3), PrefetchOptions(queue_size=2), name="toy")
     assert [p.next() for _ in range(3)] == [0, 1, 2]
     with pytest.raises(KeyError, match="bad row 3") as ei:
         p.next()

@@ -33,10 +33,13 @@ Layering: this package imports only the standard library, numpy and torch; ``tex
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+O = TypeVar("O")
 
 State = Any
 """A stage's position: ints, floats, strs, bytes, bools, None, numpy arrays, lists and dicts."""
@@ -107,3 +110,13 @@ class Map(Stage[U]):
 
     def reset(self, state: State | None = None) -> None:
         self.upstream.reset(state)
+
+
+def options(cls: type[O], config: Any) -> O:
+    """The ``cls`` options (a stage's options dataclass) held by ``config``.
+
+    A loader's Config is *made of* its stages' options dataclasses (it inherits them, so the TOML
+    keys stay flat: ``[dataloader] queue_size``); this picks one stage's fields back out by name,
+    so no field list is ever retyped by hand between the Config and the stage.
+    """
+    return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})  # type: ignore[arg-type]
