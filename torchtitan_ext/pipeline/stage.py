@@ -39,7 +39,7 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 U = TypeVar("U")
 
-O = TypeVar("O")
+OptionsT = TypeVar("OptionsT")
 
 State = Any
 """A stage's position: ints, floats, strs, bytes, bools, None, numpy arrays, lists and dicts."""
@@ -112,7 +112,7 @@ class Map(Stage[U]):
         self.upstream.reset(state)
 
 
-def options(cls: type[O], config: Any) -> O:
+def options(cls: type[OptionsT], config: Any) -> OptionsT:
     """The ``cls`` options (a stage's options dataclass) held by ``config``.
 
     A loader's Config is *made of* its stages' options dataclasses (it inherits them, so the TOML
