@@ -53,6 +53,8 @@ from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from torchtitan_ext import cli_args as cli  # noqa: E402
+from torchtitan_ext.checkpointing import RecordingCheckpointManager  # noqa: E402
+from torchtitan_ext.metrics import DataMetricsProcessor  # noqa: E402
 from torchtitan_ext.toml_config import (  # noqa: E402
     Coercer,
     ConfigError,
@@ -120,14 +122,28 @@ class StagingSection:
 class ExtTrainer(Trainer):
     """torchtitan's Trainer with our config sections and loader integration.
 
-    Differences from ``Trainer``: the dataloader is wrapped in ``AsyncDeviceLoader`` when
-    ``[staging] enable``; the loader's ``get_stats()`` is appended to the per-step log line; each
-    checkpoint gets a record of what its data state depends on (loader, data-parallel degree,
-    seq_len, batch size), which :mod:`torchtitan_ext.preflight` compares with the next job's,
-    and of its model (what ``torchtitan-ext-export`` needs); the last save in HF format
-    (``last_save_in_hf``) also gets ``config.json`` and the job's processor;
-    on a CPU the step line shows ``mfu: N/A`` (there is no peak FLOPS to divide by).
+    Differences from ``Trainer``, each an override of what 0.3.0 builds, no object patched:
+
+    ============================  ==========================================================
+    ``[staging] enable``          the loader is staged (:func:`~torchtitan_ext.loaders.
+                                  integration.stage_loader`) as it is stored, before the
+                                  checkpointer is built with it (the :attr:`dataloader`
+                                  property)
+    ``[metrics]``                 builds :class:`~torchtitan_ext.metrics.DataMetricsProcessor`:
+                                  the loader's ``get_stats()`` on the per-step line and in the
+                                  metric backends; ``mfu: N/A`` where there is no peak FLOPS
+    ``[checkpoint]``              builds :class:`~torchtitan_ext.checkpointing.
+                                  RecordingCheckpointManager`: each save gets a record of what
+                                  its data state depends on (loader, data-parallel degree,
+                                  seq_len, batch size; :mod:`torchtitan_ext.preflight` compares
+                                  it with the next job's) and of its model (what
+                                  ``torchtitan-ext-export`` needs); the last save in HF format
+                                  also gets ``config.json`` and the job's processor
+    ============================  ==========================================================
     """
+
+    metrics_processor: DataMetricsProcessor
+    checkpointer: RecordingCheckpointManager
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -137,61 +153,55 @@ class ExtTrainer(Trainer):
         staging: StagingSection = field(default_factory=StagingSection)
         """Async host-to-device staging around whichever loader is configured."""
 
+        metrics: DataMetricsProcessor.Config = field(default_factory=DataMetricsProcessor.Config)
+        """torchtitan's metrics settings; the step line and the metric backends also carry the
+        data loader's stats."""
+
+        checkpoint: RecordingCheckpointManager.Config = field(
+            default_factory=RecordingCheckpointManager.Config
+        )
+        """torchtitan's checkpoint settings; each save also gets the job's record."""
+
+        def __post_init__(self) -> None:
+            Trainer.Config.__post_init__(self)  # slots=True: no zero-argument super()
+            # A torchtitan config function sets torchtitan's own Configs: same fields, ours build
+            self.metrics = _as_ours(DataMetricsProcessor.Config, self.metrics, "metrics")
+            self.checkpoint = _as_ours(
+                RecordingCheckpointManager.Config, self.checkpoint, "checkpoint"
+            )
+
     def __init__(self, config: Config):
-        from torchtitan_ext.loaders.integration import StagedLoaderConfig, attach_stats_logging
+        super().__init__(config)
+        self.metrics_processor.follow_loader(
+            self.dataloader,
+            self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches,
+        )
+        if self.checkpointer.enable:
+            from torchtitan_ext.preflight.checkpoint import job_record, model_record
 
-        # Trainer.__init__ builds the dataloader inline (trainer.py ~575) and hands it to the
-        # checkpointer, so wrapping must happen *inside* that build call: swap in a Config proxy
-        # whose build() wraps, then restore the user's Config object.
-        user_loader_cfg = config.dataloader
-        if config.staging.enable:
-            config.dataloader = StagedLoaderConfig(user_loader_cfg, config.staging)  # type: ignore[assignment]
-        try:
-            super().__init__(config)
-        finally:
-            config.dataloader = user_loader_cfg
-        attach_stats_logging(self)
-        if cpu_compat.needed():
-            # torchtitan's switch for "MFU means nothing here" (metrics.py ~486): N/A, no metric
-            self.metrics_processor.has_quantization = True
-        self._record_checkpoints()
+            dims = self.parallel_dims
+            record = job_record(self.config, dims.dp_replicate * dims.dp_shard)
+            record["model"] = model_record(self.config)
+            self.checkpointer.set_job_record(record)
 
-    def _record_checkpoints(self) -> None:
-        """Wrap ``checkpointer.save``: rank 0 writes the job record next to each save; the last
-        save in HF format (``last_save_in_hf``) runs in the adapter's ``exporting()`` mode and,
-        once every rank's weights are written, gets the model's ``config.json`` and processor
-        (the adapter's ``write_hf_assets``)."""
-        from contextlib import nullcontext
+    @property
+    def dataloader(self) -> BaseDataLoader:
+        """The training loader, staged for the device when ``[staging] enable``.
 
-        import torch.distributed as dist
+        A property because ``Trainer.__init__`` builds the loader inline and hands it to the
+        checkpointer at its next statement (trainer.py:575 ``self.dataloader =
+        config.dataloader.build(...)``, then :591 ``config.checkpoint.build(dataloader=
+        self.dataloader, ...)``): storing it is the only step in between that a subclass can
+        override, and the checkpointer must hold the staged loader (its ``state_dict`` accounts
+        for the batches in flight)."""
+        return self._dataloader
 
-        from torchtitan_ext.preflight.checkpoint import job_record, model_record, write_record
+    @dataloader.setter
+    def dataloader(self, loader: BaseDataLoader) -> None:
+        from torchtitan_ext.loaders.integration import stage_loader
 
-        ckpt = self.checkpointer
-        if not getattr(ckpt, "enable", False) or not hasattr(ckpt, "_create_checkpoint_id"):
-            return
-        dims = self.parallel_dims
-        record = job_record(self.config, dims.dp_replicate * dims.dp_shard)
-        record["model"] = model_record(self.config)
-        adapter = getattr(ckpt, "sd_adapter", None)
-        # an adapter that can export (qwen3_vl's) has both ``exporting`` and ``write_hf_assets``
-        exports = bool(getattr(ckpt, "last_save_in_hf", False)) and hasattr(adapter, "exporting")
-        save = ckpt.save
-
-        def save_and_record(curr_step: int, last_step: bool = False) -> bool:
-            export = exports and last_step
-            with adapter.exporting() if export else nullcontext():
-                saved = save(curr_step, last_step)
-            if saved and export and dist.is_initialized():
-                dist.barrier()  # every rank's safetensors are complete before config.json
-            if saved and (not dist.is_initialized() or dist.get_rank() == 0):
-                step_dir = ckpt._create_checkpoint_id(curr_step)
-                write_record(step_dir, record)
-                if export:
-                    adapter.write_hf_assets(step_dir, record["model"])
-            return saved
-
-        ckpt.save = save_and_record
+        staging = self.config.staging
+        self._dataloader = stage_loader(loader, staging) if staging.enable else loader
 
     def close(self) -> None:
         super().close()
@@ -199,6 +209,19 @@ class ExtTrainer(Trainer):
         close = getattr(getattr(self, "dataloader", None), "close", None)
         if callable(close):
             close()
+
+
+def _as_ours(cls: type, value: Any, section: str) -> Any:
+    """``value`` (torchtitan's Config of ``cls``'s base) as a ``cls`` with the same fields."""
+    if isinstance(value, cls):
+        return value
+    base = cls.__mro__[1]
+    if type(value) is not base:
+        raise ConfigError(
+            f"[{section}]: ExtTrainer needs torchtitan's {base.__qualname__} here (it builds its "
+            f"own {cls.__qualname__} from it), got {type(value).__qualname__}"
+        )
+    return cls(**{f.name: getattr(value, f.name) for f in fields(value) if f.init})
 
 
 ExtTrainerConfig = ExtTrainer.Config

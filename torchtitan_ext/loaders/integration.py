@@ -1,55 +1,47 @@
 """Glue shared by every registered loader inside torchtitan's Trainer.
 
-- :class:`StagedLoaderConfig` — stands in for the user's loader Config while ``Trainer.__init__``
-  builds the dataloader, so the built loader comes back wrapped in ``AsyncDeviceLoader``
-  (``[staging] enable = true``) and the checkpointer sees the wrapper (whose ``state_dict``
-  accounts for batches in flight).
+- :func:`stage_loader` — wraps a built loader in ``AsyncDeviceLoader`` for ``[staging] enable =
+  true`` (``ExtTrainer`` stages the loader it builds, so the checkpointer sees the wrapper, whose
+  ``state_dict`` accounts for batches in flight).
 - :func:`build_tokenizer` / :func:`build_loader` — build a config's tokenizer and loader with
   exactly the arguments ``torchtitan.trainer.Trainer.__init__`` passes (batch size, snapshot
   interval, staging), for tools that need the training loader without a trainer (peek).
-- :func:`attach_stats_logging` — appends the loader's ``get_stats()`` (data-wait ms, queue depth …)
-  to torchtitan's per-step log line and to its metrics backends (TensorBoard / W&B).
+- :func:`loader_stats` — a loader's ``get_stats()`` flattened to numbers, which
+  :mod:`torchtitan_ext.metrics` appends to torchtitan's step line and sends to the metric
+  backends (TensorBoard / W&B).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchtitan_ext.config import StagingSection
 
 logger = logging.getLogger(__name__)
 
-STATS_PREFIX = "data/"
 
+def stage_loader(loader: Any, staging: StagingSection) -> Any:
+    """``loader`` wrapped for the device (``device.staging.wrap_for_device``) with ``staging``'s
+    buffers, as torchtitan 0.3.0's ``train_step`` needs it (labels stay on the host)."""
+    from torchtitan.tools.utils import get_local_device
 
-class StagedLoaderConfig:
-    """Proxy for a loader Config: ``build(**kw)`` builds the real loader, then wraps it."""
+    from torchtitan_ext.device.staging import wrap_for_device
 
-    def __init__(self, inner: Any, staging: Any) -> None:
-        self.inner = inner
-        self.staging = staging
-
-    def build(self, **kwargs: Any) -> Any:
-        from torchtitan.tools.utils import get_local_device
-
-        from torchtitan_ext.device.staging import wrap_for_device
-
-        loader = self.inner.build(**kwargs)
-        opts: dict[str, Any] = {
-            "num_buffers": self.staging.num_buffers,
-            # torchtitan 0.3.0's train_step sums (labels != IGNORE_INDEX) into a CPU tensor
-            # before it moves labels itself: they must stay on the host.
-            "keep_on_host": {(1,)},
-        }
-        # A VL loader that leaves pixels as uint8 for the device provides its finisher
-        # (normalise right after the copy); any loader may.
-        finisher = getattr(loader, "finish_on_device", None)
-        if callable(finisher):
-            opts["device_transform"] = finisher
-        return wrap_for_device(loader, get_local_device(), enabled=True, **opts)
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self.inner, item)
+    opts: dict[str, Any] = {
+        "num_buffers": staging.num_buffers,
+        # torchtitan 0.3.0's train_step sums (labels != IGNORE_INDEX) into a CPU tensor
+        # before it moves labels itself: they must stay on the host.
+        "keep_on_host": {(1,)},
+    }
+    # A VL loader that leaves pixels as uint8 for the device provides its finisher
+    # (normalise right after the copy); any loader may.
+    finisher = getattr(loader, "finish_on_device", None)
+    if callable(finisher):
+        opts["device_transform"] = finisher
+    return wrap_for_device(loader, get_local_device(), enabled=True, **opts)
 
 
 def loader_stats(loader: Any) -> dict[str, float]:
@@ -70,90 +62,6 @@ def loader_stats(loader: Any) -> dict[str, float]:
 
     walk("", get())
     return out
-
-
-# Which stats make it into the one-line summary, in order (name in get_stats() -> label).
-_LINE_KEYS = (
-    ("queue_depth", "queue"),
-    ("crop_pct", "crop%"),
-    ("docs_skipped", "skipped"),
-    ("skipped", "skipped"),
-    ("epoch", "epoch"),
-)
-# Cumulative counters shown as a mean per step since the previous log line (VL: images and
-# vision patches the loader handed to the trainer).
-_PER_STEP_KEYS = (("images", "images"), ("patches", "patches"))
-
-
-class _StepLineFilter(logging.Filter):
-    """Appends the data summary to torchtitan's per-step log record (the one with "loss:")."""
-
-    def __init__(self, trainer: Any) -> None:
-        super().__init__()
-        self.trainer = trainer
-        self.pending: str | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if (
-            self.pending
-            and isinstance(record.msg, str)
-            and "loss:" in record.msg
-            and "step:" in record.msg
-        ):
-            record.msg = f"{record.msg}  {self.pending}"
-            self.pending = None
-        return True
-
-
-def attach_stats_logging(trainer: Any) -> None:
-    """Wrap ``trainer.metrics_processor.log`` so each step's log line carries data-wait ms and the
-    loader's stats, and the metric backends receive them as ``data/...`` scalars."""
-    from torchtitan.tools.logging import logger as tt_logger
-
-    mp = trainer.metrics_processor
-    original = mp.log
-    flt = _StepLineFilter(trainer)
-    tt_logger.addFilter(flt)
-    last: dict[str, float] = {}
-    batches_per_step = getattr(trainer, "gradient_accumulation_steps", 1) * getattr(
-        trainer, "num_pipeline_parallel_microbatches", 1
-    )
-
-    def log(
-        step: int,
-        global_avg_loss: float,
-        global_max_loss: float,
-        grad_norm: float,
-        extra_metrics: dict[str, Any] | None = None,
-    ) -> None:
-        times = list(mp.data_loading_times)
-        wait_ms = 1000.0 * sum(times) / max(1, len(times))
-        stats = loader_stats(trainer.dataloader)
-        extra = dict(extra_metrics or {})
-        extra.update({f"{STATS_PREFIX}{k}": v for k, v in stats.items()})
-        extra[f"{STATS_PREFIX}wait_ms"] = wait_ms
-        parts = [f"data_wait: {wait_ms:.2f}ms"]
-        # one data_loading_times entry per batch fetched since the previous log line
-        steps = max(1.0, len(times) / max(1, batches_per_step))
-        for key, label in _PER_STEP_KEYS:
-            if key in stats:
-                per_step = (stats[key] - last.get(key, 0.0)) / steps
-                extra[f"{STATS_PREFIX}{key}_per_step"] = per_step
-                parts.append(f"{label}/step: {per_step:g}")
-                last[key] = stats[key]
-        cap = stats.get("queue_capacity")
-        for key, label in _LINE_KEYS:
-            if key in stats:
-                val = stats[key]
-                if key == "queue_depth" and cap:
-                    parts.append(f"{label}: {int(val)}/{int(cap)}")
-                else:
-                    parts.append(f"{label}: {val:g}")
-        flt.pending = "  ".join(parts)
-        original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
-
-    mp.log = log
-    trainer._ext_stats_filter = flt
 
 
 def build_tokenizer(cfg: Any) -> Any | None:
@@ -229,24 +137,24 @@ def build_loader(
         staging = False  # ExtTrainer stages only the training loader
     if staging is None:
         staging = bool(cfg.staging.enable)
-    set_local_rank = False
-    if staging:
-        loader_cfg = StagedLoaderConfig(loader_cfg, cfg.staging)
-        # torchtitan's get_local_device() reads LOCAL_RANK (torchrun sets it); a lone process (peek, tools)
-        # is local rank 0, as the train launcher assumes. Set only for the build, then removed, so
-        # an in-process caller's environment is left as it was.
-        set_local_rank = "LOCAL_RANK" not in os.environ
-        if set_local_rank:
-            os.environ["LOCAL_RANK"] = "0"
+    loader = loader_cfg.build(
+        dp_world_size=dp_world_size,
+        dp_rank=dp_rank,
+        tokenizer=tokenizer,
+        seq_len=tr.seq_len,
+        local_batch_size=batch_size,
+        **kwargs,
+    )
+    if not staging:
+        return loader
+    # torchtitan's get_local_device() reads LOCAL_RANK (torchrun sets it); a lone process (peek,
+    # tools) is local rank 0, as the train launcher assumes. Set only for the wrap, then removed,
+    # so an in-process caller's environment is left as it was.
+    set_local_rank = "LOCAL_RANK" not in os.environ
+    if set_local_rank:
+        os.environ["LOCAL_RANK"] = "0"
     try:
-        return loader_cfg.build(
-            dp_world_size=dp_world_size,
-            dp_rank=dp_rank,
-            tokenizer=tokenizer,
-            seq_len=tr.seq_len,
-            local_batch_size=batch_size,
-            **kwargs,
-        )
+        return stage_loader(loader, cfg.staging)
     finally:
         if set_local_rank:
             os.environ.pop("LOCAL_RANK", None)
