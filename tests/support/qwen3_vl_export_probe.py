@@ -3,9 +3,9 @@
     python -m tests.support.qwen3_vl_export_probe OUT.pt --config-file X.toml [--section.key v ...]
 
 Builds ``ExtTrainer`` exactly as the launcher does (``qwen3_vl_probe.build_trainer``), picks one
-cached pack, and wraps ``checkpointer.save`` (already wrapped by ExtTrainer) so that after each
-save the model, as it was saved, runs that pack through the trainer's own input path. Then it
-trains. Rank 0 writes ``{"logits": {step: [1, L, V] float32}, "batch": the same pack as
+cached pack, and wraps this trainer's ``checkpointer.save`` (which writes the job record) so that
+after each save the model, as it was saved, runs that pack through the trainer's own input path.
+Then it trains. Rank 0 writes ``{"logits": {step: [1, L, V] float32}, "batch": the same pack as
 transformers' forward kwargs}`` to OUT.pt, so a test compares any exported directory's
 ``from_pretrained`` model with the weights the trainer held when it saved that step.
 """
