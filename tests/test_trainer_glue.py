@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
         root.addHandler(records)
         trainer.train()
         seen["filters_after_train"] = list(root.filters)
+        seen["messages"], seen["sent"] = list(records.messages), list(backend.sent)
+        seen["upstream_vs_ours"] = _log_both_ways(trainer.metrics_processor, records)
     finally:
         mp.undo()
         root.removeHandler(records)
@@ -115,10 +118,21 @@ def run(tmp_path_factory) -> dict[str, Any]:
         os.environ.clear()
         os.environ.update(saved_env)
     seen["filters_before"] = filters_before
-    seen["messages"] = records.messages
-    seen["sent"] = backend.sent
     seen["checkpoint_dir"] = dump / "checkpoint"
     return seen
+
+
+def _log_both_ways(mp: Any, records: _Records) -> dict[str, tuple[set[str], str]]:
+    """One step logged by torchtitan's ``MetricsProcessor.log`` and by the trainer's: the metric
+    names sent and the line printed, each."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    out = {}
+    for name, log in (("upstream", MetricsProcessor.log), ("ours", type(mp).log)):
+        mp.logger, mp.data_loading_times, mp.ntokens_since_last_log = _Backend(), [0.001], 64
+        log(mp, 9, 1.5, 1.75, 0.5, extra_metrics={"n_tokens_seen": 128})
+        out[name] = (set(mp.logger.sent[0][1]), records.messages[-1])
+    return out
 
 
 def _step_lines(run: dict[str, Any]) -> list[str]:
@@ -158,6 +172,21 @@ def test_step_line_carries_the_data_summary(run):
         torchtitan, _, ours = line.partition("  data_wait: ")
         assert ours.endswith("ms"), line  # the toy's stats have no line keys: the wait only
         assert "mfu: N/A" in torchtitan, line  # a CPU has no peak FLOPS
+
+
+def test_step_line_and_metrics_are_torchtitans_plus_the_data(run):
+    """The trainer's log is torchtitan 0.3.0's (same metric names, same line) plus the data
+    part: a torchtitan upgrade that changes its step logging fails here."""
+    (up_keys, up_line), (our_keys, our_line) = run["upstream_vs_ours"].values()
+    up_keys.discard("mfu(%)")  # torchtitan divides by the CPU's NaN peak; ours says N/A
+    assert {k for k in our_keys if not k.startswith("data/")} == up_keys
+    torchtitan, _, data = our_line.partition("  data_wait: ")
+
+    def timeless(line: str) -> str:  # the two calls differ in elapsed time only
+        return re.sub(r"(tps|tflops): [\d,.]+", r"\1: #", line)
+
+    assert timeless(torchtitan) == timeless(up_line.replace("mfu: nan%", "mfu: N/A"))
+    assert data.endswith("ms")
 
 
 def test_backends_receive_the_data_stats(run):
