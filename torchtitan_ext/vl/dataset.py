@@ -326,10 +326,16 @@ class CachedVLDataset(IterableDataset):
         Inside a worker: the anchor plus this worker's ``yielded`` count (exact, same layout)."""
         worker_id, num_workers = self._worker()
         if num_workers == 1:
-            epoch, cursor = self.global_state()
-            yielded = 0
-        else:
-            epoch, cursor, yielded = self._epoch, self._cursor, self._yielded
+            return self.position_state(*self.global_state())
+        return self.position_state(
+            self._epoch, self._cursor, self._yielded, worker=(worker_id, num_workers)
+        )
+
+    def position_state(
+        self, epoch: int, cursor: int, yielded: int = 0, worker: tuple[int, int] = (0, 1)
+    ) -> dict[str, int]:
+        """The :meth:`state_dict` of global position ``(epoch, cursor)`` (a fresh dict of plain
+        ints; the pipeline stages take one per batch). ``yielded`` / ``worker``: a worker's."""
         return {
             "version": _STATE_VERSION,
             "epoch": epoch,
@@ -340,8 +346,8 @@ class CachedVLDataset(IterableDataset):
             "seed": self.seed,
             "shuffle": int(self.shuffle),
             "remainder_wrap": int(self.remainder == "wrap"),
-            "worker_id": worker_id,
-            "num_workers": num_workers,
+            "worker_id": worker[0],
+            "num_workers": worker[1],
             "block_size": self.block_size,
         }
 
