@@ -107,6 +107,21 @@ def advance(
     return epoch + 1 + n // per_epoch, (n % per_epoch) * world_size
 
 
+def position(
+    num_packs: int, world_size: int, epoch: int, cursor: int, n: int, remainder: Remainder
+) -> tuple[int, int]:
+    """The ``(epoch, cursor)`` a *state* records after every rank read ``n`` more packs: as
+    :func:`advance`, except right after the epoch's last full round, where the packs the rounds
+    left unread (``remainder="drop"``: ``(N - c) mod W``) stay in the epoch — ``cursor`` counts
+    the packs consumed — so that the state, loaded at a smaller DP degree, reads them (exactly
+    once per epoch across degrees). Loading at a degree with no round left moves on to the next
+    epoch (``CachedVLDataset.load_state_dict``), so the batches that follow are the same."""
+    first = rounds_left(num_packs, world_size, cursor, remainder)
+    if n == first and cursor + n * world_size < num_packs:
+        return epoch, cursor + n * world_size
+    return advance(num_packs, world_size, epoch, cursor, n, remainder)
+
+
 def locate(
     num_packs: int,
     world_size: int,

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchtitan_ext.pipeline.stage import Stage, State
-from torchtitan_ext.vl.dataset import CachedVLDataset, advance, rounds_left
+from torchtitan_ext.vl.dataset import CachedVLDataset, position, rounds_left
 from torchtitan_ext.vl.options import WorkerOptions
 
 SOURCE_CACHE, SOURCE_ONLINE = 0, 1
@@ -77,9 +77,10 @@ class CachePacks(Stage[dict]):
     """This DP rank's packs of a cache (``CachedVLDataset``'s order, one pack per ``next()``).
 
     The dataset holds the *anchor* (the global ``(epoch, cursor)`` where this pass started); the
-    stage counts the packs read since, so its state is ``advance(anchor, packs)`` — arithmetic,
-    no replay. A finite pass (``infinite=False``) ends after the epoch; its end state is the next
-    epoch's start, and ``reset`` to it starts that epoch.
+    stage counts the packs read since, so its state is ``position(anchor, packs)`` — arithmetic,
+    no replay. A finite pass (``infinite=False``) ends after the epoch's last full round; its end
+    state keeps the packs no round reached in the epoch (a smaller DP degree reads them), and
+    ``reset`` to it at the same degree starts the next epoch.
     """
 
     def __init__(self, dataset: CachedVLDataset) -> None:
@@ -100,7 +101,7 @@ class CachePacks(Stage[dict]):
 
     def state(self) -> State:
         ds = self.ds
-        pos = advance(ds.num_packs, ds.dp_world_size, ds._epoch, ds._cursor, self._k, ds.remainder)
+        pos = position(ds.num_packs, ds.dp_world_size, ds._epoch, ds._cursor, self._k, ds.remainder)
         return {"source": SOURCE_CACHE, **ds.position_state(*pos)}
 
     def reset(self, state: State | None = None) -> None:
@@ -178,7 +179,7 @@ class WorkerBatches(Stage[Any]):
     Each worker reads a disjoint block-interleaved slice of this rank's packs (so the batches
     are those of the in-process chain) and collates them; the batches they made ahead sit in
     their queues. The state is computed in this process from the packs *handed over*:
-    ``advance(anchor, packs)``, so what the workers made ahead never leaks into it. ``reset``
+    ``position(anchor, packs)``, so what the workers made ahead never leaks into it. ``reset``
     drops the workers; the next ``next()`` starts new ones at the new anchor.
     """
 
