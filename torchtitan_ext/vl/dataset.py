@@ -19,6 +19,9 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
   start of the permutation, so every pack is read and a few twice). Either way every rank yields the
   same number of packs per epoch, so no collective waits forever on a rank that ran dry. ``drop``
   with ``N < W`` would give every rank zero packs: that is refused with an error naming ``wrap``.
+  A *state* taken right after an epoch's last round keeps the packs no round reached
+  (:func:`position`): resumed at a smaller degree, they are read in that epoch (every pack once
+  across DP degree changes); at the same or a larger degree, loading moves on to the next epoch.
 * **Workers.** With ``num_workers = n`` DataLoader workers, worker ``w`` takes the rank's packs in
   blocks of ``block_size`` (= the DataLoader batch size) round-robin: blocks ``w, w+n, w+2n, ...``.
   The DataLoader returns batches from workers round-robin, so the consumer sees exactly the same
@@ -28,8 +31,8 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
   ``state_dict()`` returns the global ``(epoch, cursor)`` (elastic). Inside a worker
   (torchdata's ``StatefulDataLoader`` stores one state per worker) it returns the iteration's
   anchor plus the number of packs this worker yielded, which restores bitwise-exactly with the
-  same DP degree and worker count. ``vl.reader.VLReader`` (under the torchtitan loader) keeps its
-  own global state in the main process, so it resumes exactly *and* elastically with workers.
+  same DP degree and worker count. The loader's stages (``vl/stages.py``) keep the global state
+  in the main process, so it resumes exactly *and* elastically with workers.
 * **Lazy.** The cache is opened by path; ``VLCache.open`` reads and checks ``metadata.json`` and
   the file sizes, reading no token or pixel data (a damaged cache is an error here, naming the
   file). Each worker process re-opens it lazily after fork/spawn.
