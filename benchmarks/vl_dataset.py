@@ -30,8 +30,8 @@ Cases (each baseline measured in the same run, interleaved with what it is compa
     then a fresh dataset reads the packs in shuffled order: every step reads its pack from disk.
     On a virtual machine the host may still cache the virtual disk; the disk MB/s in the row's
     info says what was reached.
-  - Train-side cost with one DataLoader worker doing fetch + collate (50 ms sleep per step
-    standing in for the GPU step).
+  - Train-side cost of the ``cached_vl`` loader — in process (fetch + collate in its one Prefetch
+    thread) and with one DataLoader worker — a 50 ms sleep per step standing in for the GPU step.
 * **open**: see ``benchmarks/_vl_open.py``.
 
 Options (``--set key=value``): ``rows`` (rows in the step cache, default 1024 = one default
@@ -310,7 +310,10 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
         out.append(row_from(case, t[key], "ms/step", 1e3, group=g, info=info, note=note))
     first = _first_touch(path, coll("torchtitan", "device"), info)
     out.append(first)
-    out.append(_worker_row(path, reps, info))
+    out.append(_loader_row(path, reps, info, num_workers=1))
+    inproc = _loader_row(path, reps, info, num_workers=0)
+    inproc.target, inproc.met = "<= 5 ms", inproc.value <= 5.0
+    out.append(inproc)
     hf_online = "baseline: HF online (Qwen3VLProcessor on one pack's rows, float32)"
     online_u8 = "baseline: ours online, hf u8 (no cache)"
     compare(out, "step hf float32 on CPU (collate)", hf_online)  # like for like: float32
@@ -369,19 +372,21 @@ def _first_touch(path: Path, coll: Callable, info: dict) -> Row:
                note="fresh memory maps, page cache warm")  # fmt: skip
 
 
-def _worker_row(path: Path, reps: int, info: dict) -> Row:
+def _loader_row(path: Path, reps: int, info: dict, num_workers: int) -> Row:
+    """The training thread's wait in ``next()`` of the ``cached_vl`` loader: in process (the
+    one Prefetch thread fetches and collates) or with DataLoader workers."""
     from torchtitan_ext.loaders.vl import CachedVLDataLoader
 
     cfg = CachedVLDataLoader.Config(
         cache_path=str(path),
-        num_workers=1,
+        num_workers=num_workers,
         normalize_on="device",
         batch_format="torchtitan",
         shuffle=False,
     )
     loader = cfg.build(dp_rank=0, dp_world_size=1, seq_len=SEQ, local_batch_size=1)
     it = iter(loader)
-    for _ in range(3):  # start the worker, fill its prefetch queue
+    for _ in range(3):  # start the thread / worker, fill its queue
         next(it)
     waits = []
     for _ in range(reps):
@@ -389,8 +394,10 @@ def _worker_row(path: Path, reps: int, info: dict) -> Row:
         t0 = time.perf_counter()
         next(it)
         waits.append((time.perf_counter() - t0) * 1e3)
+    loader.close()
+    where = f"{num_workers} worker" if num_workers else "loader in process (Prefetch thread)"
     return Row(
-        case="step torchtitan u8, 1 worker (train-side)",
+        case=f"step torchtitan u8, {where} (train-side)",
         value=statistics.median(waits),
         unit="ms/step",
         higher_is_better=False,

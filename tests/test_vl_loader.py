@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torchtitan_ext.loaders.vl import CachedVLDataLoader, OnlinePreprocessingWarning
+from torchtitan_ext.pipeline.checkpoint import LoaderStateError
 from torchtitan_ext.vl.collate import finish_on_device
 
 from .support.vl_order import documented_order
@@ -48,10 +49,10 @@ def make(env, dp_rank=0, dp_world_size=1, batch=2, **cfg):
 
 
 def plain(x) -> bool:
-    """Only ints / strings / lists / dicts of those (no pickled bytes, no objects)."""
+    """Only ints / strings / lists (tuples) / dicts of those (no pickled bytes, no objects)."""
     if isinstance(x, dict):
         return all(isinstance(k, str) and plain(v) for k, v in x.items())
-    if isinstance(x, list):
+    if isinstance(x, (list, tuple)):
         return all(plain(v) for v in x)
     return isinstance(x, (int, str)) and not isinstance(x, bool)
 
@@ -159,7 +160,7 @@ def test_elastic_resume_through_dcp(env, tmp_path):
     # ... resume at DP=1 and read the rest of the epoch.
     one = make(env, 0, 1, batch=1)
     dcp.load({"dataloader": one}, checkpoint_id=str(tmp_path / "ck2"))
-    assert one.state_dict()["global"]["cursor"] == 4
+    assert one.rank_state()["cursor"] == 4
     rest = n - 4
     seen += _pack_ids(one, rest)
     assert sorted(seen) == list(range(n)), "DP=2 -> DP=1: every pack exactly once in the epoch"
@@ -256,13 +257,29 @@ def test_bad_config_values_are_named(env):
 
 
 def test_config_fields_documented_and_validator_replace():
+    """Every Config field is a stage option, declared (with a docstring) in exactly one options
+    dataclass the Config inherits: spelled and defaulted once."""
+    import ast
+    import inspect
+    import textwrap
+
     cfg = CachedVLDataLoader.Config()
     names = {f.name for f in dataclasses.fields(cfg)}
     assert {"infinite", "cache_dir", "use_preprocessed_cache", "force_preprocess"} <= names
+    assert {"queue_size", "thread_priority"} <= names  # the Prefetch hand-off's
     assert dataclasses.replace(cfg, infinite=False).infinite is False
-    src = (REPO / "torchtitan_ext" / "loaders" / "vl.py").read_text()
-    for name in names - {"dataset_path"} | {"dataset_path"}:
-        assert f"        {name}:" in src, f"field {name} is declared (with a docstring) in vl.py"
+    declared: dict[str, list[str]] = {}
+    for base in CachedVLDataLoader.Config.__mro__[1:]:
+        if not base.__module__.startswith("torchtitan_ext."):
+            continue  # torchtitan's own Config bases
+        body = ast.parse(textwrap.dedent(inspect.getsource(base))).body[0].body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                documented = i + 1 < len(body) and isinstance(body[i + 1], ast.Expr)
+                assert documented, f"{base.__name__}.{node.target.id} has no docstring"
+                declared.setdefault(node.target.id, []).append(base.__name__)
+    assert names == set(declared), names ^ set(declared)
+    assert all(len(v) == 1 for v in declared.values()), declared
 
 
 @pytest.mark.parametrize(
@@ -301,7 +318,7 @@ def test_tiny_toml_builds_the_loader(env, tmp_path):
 def test_finite_pass_moves_state_to_next_epoch(env, num_workers):
     dl = make(env, infinite=False, num_workers=num_workers, batch=2)
     first = [inp["input"] for inp, _ in dl]
-    st = dl.state_dict()["global"]
+    st = dl.rank_state()
     assert (st["epoch"], st["cursor"]) == (1, 0)
     second = [inp["input"] for inp, _ in dl]
     cache = dl.dataset.cache
@@ -358,7 +375,9 @@ def test_online_counts_skips_that_reconcile(env, tmp_path):
 
 def test_state_from_the_other_source_is_refused(env, tmp_path):
     """A state saved reading the cache does not load into a loader on the online fallback (their
-    orders differ), nor the other way; torchtitan's per-rank form {"dp_rank_r": ...} loads."""
+    orders differ), nor the other way; a value not in the one checkpoint format (torchtitan's
+    per-rank {"dp_rank_r": ...}) is refused in one line; the previous release's bare
+    {"global": position} still loads."""
     cached = make(env)
     it = iter(cached)
     next(it)
@@ -369,8 +388,11 @@ def test_state_from_the_other_source_is_refused(env, tmp_path):
         online.load_state_dict(state)
     with pytest.raises(ValueError, match="saved from the online source .* reads from the cache"):
         make(env).load_state_dict(online.state_dict())
-    with pytest.raises(ValueError, match="no 'global' entry"):
-        make(env).load_state_dict({"step": 3})
-    ranked = make(env)
-    ranked.load_state_dict({"dp_rank_0": state["global"]})
-    assert same(next(iter(ranked)), next(it))
+    position = cached.rank_state()
+    for bad in ({"step": 3}, {"dp_rank_0": position}):
+        with pytest.raises(LoaderStateError, match="not in this version's format") as e:
+            make(env).load_state_dict(bad)
+        assert "\n" not in str(e.value)
+    legacy = make(env)
+    legacy.load_state_dict({"global": position, "world_size": 1})
+    assert same(next(iter(legacy)), next(it))

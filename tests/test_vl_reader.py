@@ -1,11 +1,13 @@
-"""VLReader's step stats: every batch format is counted the same way (tokens, padding, images)."""
+"""The VL chain's step counters: every batch format is counted the same way (tokens, padding,
+images), and the counts travel in the state (``CountBatches.stats`` is a function of it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torchtitan_ext.vl.reader import ReadStats, batch_arrays
+from torchtitan_ext.pipeline.stage import Stage
+from torchtitan_ext.vl.stages import CountBatches, batch_arrays, batch_counts
 
 PAD = 0
 
@@ -21,21 +23,40 @@ def _batches() -> dict[str, object]:
     }
 
 
+class _Repeat(Stage):
+    """A source handing out one batch forever; its position is the number handed out."""
+
+    def __init__(self, batch: object) -> None:
+        self.batch, self.n = batch, 0
+
+    def next(self) -> object:
+        self.n += 1
+        return self.batch
+
+    def state(self) -> dict:
+        return {"n": self.n}
+
+    def reset(self, state: dict | None = None) -> None:
+        self.n = 0 if state is None else state["n"]
+
+
 @pytest.mark.parametrize("fmt", ["hf", "torchtitan", "qwen3_vl"])
 def test_stats_count_tokens_pads_and_images_in_every_format(fmt):
-    s = ReadStats()
-    batch = _batches()[fmt]
-    assert s.add(batch, PAD, 0.25) == 2
-    assert s.add(batch, PAD, 0.5) == 2
-    assert (s.batches, s.packs, s.tokens, s.pad_tokens) == (2, 4, 18, 6)
-    assert (s.images, s.patches) == (4, 56)
-    assert (s.wait_s, s.last_wait_s) == (0.75, 0.5)
+    assert batch_counts(_batches()[fmt], PAD) == (2, 9, 3, 2, 28)
+    c = CountBatches(_Repeat(_batches()[fmt]), PAD)
+    c.next()
+    after_one = c.state()
+    c.next()
+    s = c.stats(c.state())
+    assert (s["batches"], s["packs"], s["tokens"], s["pad_tokens"]) == (2, 4, 18, 6)
+    assert (s["images"], s["patches"]) == (4, 56) and s["pad_pct"] == 25.0
+    assert c.stats(after_one)["batches"] == 1, "stats are a function of the state passed"
+    c.reset(after_one)
+    assert c.stats(c.state())["packs"] == 2 and c.upstream.n == 1
 
 
 def test_text_only_batch_counts_no_images():
     ids = torch.tensor([[1, 2, PAD]])
     tokens, grid = batch_arrays({"input_ids": ids, "labels": ids})
     assert grid is None and tokens is ids
-    s = ReadStats()
-    s.add({"input_ids": ids, "labels": ids}, PAD, 0.0)
-    assert (s.tokens, s.pad_tokens, s.images, s.patches) == (2, 1, 0, 0)
+    assert batch_counts({"input_ids": ids, "labels": ids}, PAD) == (1, 2, 1, 0, 0)

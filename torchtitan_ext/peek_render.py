@@ -481,16 +481,20 @@ def render_strips(
 
 def vl_pack_indices(loader: Any, state_before: Any, n_packs: int) -> tuple[Any, list[int]] | None:
     """(cache, cache pack indices) of the batch read right after ``state_before``, for a cached
-    VL loader (``global`` state: epoch / cursor); None when that cannot be worked out."""
+    VL loader (its checkpoint envelope's position: epoch / cursor); None when that cannot be
+    worked out."""
     if not isinstance(state_before, Mapping) or "global" not in state_before:
         return None
     objs = _inner_objects(loader)
     ds = next((o for o in objs if hasattr(o, "cache") and hasattr(o, "pack_index_of")), None)
     if ds is None:
         return None
+    from torchtitan_ext.pipeline import checkpoint
     from torchtitan_ext.vl.dataset import epoch_permutation, locate
 
     g = state_before["global"]
+    if g.get("format") == checkpoint.FORMAT:  # the one envelope: every VL rank's position is one
+        g = checkpoint.open_envelope(state_before, g["loader"], int(g["dp_world_size"]))[0]
     if int(g.get("source", 0)) != 0:
         return None
     rank = int(getattr(ds, "dp_rank", 0))

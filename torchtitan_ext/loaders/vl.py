@@ -1,16 +1,20 @@
 """torchtitan glue for the offline Qwen3-VL cache: ``[dataloader] name = "cached_vl"``.
 
 ``CachedVLDataLoader.Config(...).build(dp_rank=, dp_world_size=, tokenizer=, seq_len=,
-local_batch_size=)`` (what torchtitan's trainer calls) maps its Config onto
+local_batch_size=)`` (what torchtitan's trainer calls) hands each stage its options
+(``vl/options.py``, which the Config inherits: flat TOML keys, each documented once) and opens
 :class:`torchtitan_ext.vl.reader.VLReader`, which owns everything about reading: the data source
-(cache, cache built now, or the online fallback), the DataLoader and its workers, the consumer's
-exact global ``(epoch, cursor)`` and the step-log stats. This module only speaks torchtitan.
+(cache, cache built now, or the online fallback), the chain of stages (``.pipeline``: a
+``Prefetch`` in process, or the DataLoader workers), the exact global position and the step-log
+stats. This module only speaks torchtitan.
 
-Checkpoint format. The reader's state (plain ints, the same on every rank) is stored under the
-rank-independent key ``"global"`` (DCP de-duplicates it) — torchtitan's ``"dp_rank_{r}"`` keying
-would make a DP=1 -> DP=2 restart fail, because DCP's default load planner refuses keys missing
-from the checkpoint (rank 1 would ask for ``dp_rank_1``). ``load_state_dict`` also accepts
-``{"dp_rank_{r}": state}`` dicts.
+Checkpoint format: the one envelope of ``pipeline/checkpoint.py``, ``loader = "cached_vl"``,
+``resumable_at = "any"``. VL's position is global (packs all ranks together consumed, computed,
+never snapshotted per rank), so every rank's state is the same value: ``state_dict()`` writes it
+once per rank of the saving job (``dp_world_size`` = that job's DP degree) without a collective —
+a gather would move identical values — and DCP keeps one copy of the identical envelope. A job at
+any DP degree loads it (the ranks' positions must agree). A checkpoint of the previous release
+(its bare ``{"global": <position>}``) still loads: it holds exactly that position.
 """
 
 from __future__ import annotations
@@ -18,154 +22,40 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
 
-from torchtitan_ext.vl.build_config import BuildConfig
-from torchtitan_ext.vl.layouts import Format
+from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.prefetch import PrefetchOptions
+from torchtitan_ext.pipeline.stage import Stage, State, options
+from torchtitan_ext.vl.collate import PackCollator, PixelNorm
+from torchtitan_ext.vl.options import BatchOptions, OrderOptions, SourceOptions, WorkerOptions
 from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning
 from torchtitan_ext.vl.reader import VLReader, processor_path
 
 logger = logging.getLogger(__name__)
 
-READER_FACTS = frozenset(
-    ("source", "cache_path", "dataset", "model_path", "pack_seq_len", "num_workers",
-     "special_tokens", "pixel_norm", "collate")
-)  # fmt: skip
-"""``VLReader`` attributes a loader answers for (the probes, tests and benchmarks read them)."""
+LOADER = "cached_vl"
+"""The loader name in the checkpoint envelope."""
 
 
 class CachedVLDataLoader(BaseDataLoader):
     """Feeds torchtitan (or an HF training loop) from the offline Qwen3-VL cache."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
-        dataset: str = ""
-        """Source dataset: a local Parquet directory / file, a Hugging Face dataset name,
-        ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src) or
-        ``"sample_chat"`` (the small chat set made from the same images). Part of the cache key.
-        Required unless ``dataset_path`` or ``cache_path`` is set."""
-
-        dataset_path: str | None = None
-        """Where to read ``dataset`` from when it differs from the name (a local copy); when set
-        it replaces ``dataset`` for loading and for the cache key."""
-
-        split: str = "train"
-        """Dataset split (part of the cache key)."""
-
-        cache_dir: str = "./preprocessed_cache"
-        """Root directory of caches; each key gets a sub-directory
-        ``<dataset>_<split>_seq<L>_buf<B>_<hash>``."""
-
-        cache_path: str | None = None
-        """An explicit cache key directory; skips the key lookup (and building)."""
-
-        pack_seq_len: int | None = None
-        """Pack length (tokens). None: the trainer's ``training.seq_len``. Must equal the
-        ``seq_len`` the cache was built with — it is part of the key."""
-
-        buffer_size: int = 64
-        """Samples the best-fit packer chooses from (part of the key)."""
-
-        buckets: list[int] | None = None
-        """Allowed padded pack lengths (each <= pack_seq_len); None: every pack is padded to
-        pack_seq_len. Fewer distinct shapes -> fewer torch.compile recompilations."""
-
-        model_path: str | None = None
-        """Qwen3-VL model/processor directory (tokenizer + preprocessor config); None: the
-        model's own, i.e. the trainer's ``hf_assets_path`` when it holds a processor
-        (``preprocessor_config.json``), else the embedded offline processor (tests/CPU demo).
-        Its fingerprint is part of the key."""
-
-        max_samples: int | None = None
-        """Use only the first N rows of the split (part of the key)."""
-
-        use_preprocessed_cache: bool = True
-        """Use a complete cache for the key when one exists."""
-
-        force_preprocess: bool = False
-        """Rebuild the cache even if one exists (every rank rebuilds its share of shards)."""
-
-        build_if_missing: bool = False
-        """Build the cache when none exists for the key; False falls back to online
-        preprocessing (slow, warned)."""
-
-        preprocess_workers: int = 0
-        """Processes used when this loader builds a cache (0: in process)."""
-
-        num_workers: int = 0
-        """DataLoader worker processes reading packs (0: in the training process). The data
-        order does not depend on it. The online fallback always runs in process."""
-
-        prefetch_factor: int | None = None
-        """Batches each worker prepares ahead (None: torch's default of 2 when workers > 0)."""
-
-        pin_memory: bool = False
-        """Let the DataLoader copy batches to pinned memory (leave False when torchtitan_ext's
-        AsyncDeviceLoader stages batches: it has its own pinned buffers)."""
-
-        seed: int = 0
-        """Shuffle seed; epoch ``e`` visits the packs in ``randperm(N, seed + e)``."""
-
-        shuffle: bool = True
-        """Reshuffle the packs every epoch; False: cache order."""
-
-        infinite: bool = True
-        """Loop over epochs forever; False: stop after one epoch (validation)."""
-
-        remainder: Literal["drop", "wrap"] = "drop"
-        """Equal steps per rank when the pack count is not a multiple of the DP degree:
-        "drop" skips the last (N mod W) packs of each epoch's permutation (different ones each
-        epoch), "wrap" completes the last round from the start of the permutation."""
-
-        batch_format: Literal["torchtitan", "hf", "qwen3_vl"] = "torchtitan"
-        """"torchtitan": ``(input_dict, labels)`` with MultiModalCollator keys (labels shifted);
-        "hf": a dict of Qwen3-VL forward kwargs (input_ids, labels, position_ids [4,B,L], ...);
-        "qwen3_vl": ``(input_dict, labels)`` for the ``qwen3_vl`` model module (the "hf" tensors
-        under torchtitan's names, labels shifted)."""
-
-        normalize_on: Literal["collate", "device"] = "collate"
-        """"collate": float pixel_values built on the CPU; "device": pixel_values stay uint8 and are
-        normalised after the host-to-device copy (AsyncDeviceLoader, or ``finish_on_device``)."""
-
-        strict: bool = False
-        """When building a cache: fail on the first bad row instead of counting a skip."""
-
-        exif_transpose: bool = BuildConfig.exif_transpose
-        """Turn photos upright by their EXIF orientation before preprocessing, as HF
-        ``datasets`` does (part of the cache key; ``preprocess-cached --no-exif-transpose``)."""
-
-        fingerprint: str = BuildConfig.fingerprint
-        """How the source files enter the cache key: "full" (every byte, hashed once per file
-        and remembered by size + mtime) or "quick" (size + first/last MiB); must match the
-        ``preprocess-cached --fingerprint`` the cache was built with."""
-
-        format: Format = BuildConfig.format
-        """Row layout: "vqa", "messages" (HF chat), "llava", "cauldron", or "auto" (detected
-        from the columns); ``preprocess-cached --format`` (docs/vl-data-formats.md)."""
-
-        image_column: str | None = BuildConfig.image_column
-        """The image column (None: detected); ``--image-column``."""
-
-        question_column: str | None = BuildConfig.question_column
-        """vqa: the question column (None: detected); ``--question-column``."""
-
-        answer_column: str | None = BuildConfig.answer_column
-        """vqa: the answer column (None: detected); ``--answer-column``."""
-
-        messages_column: str | None = BuildConfig.messages_column
-        """messages: the chat column (None: "messages"); ``--messages-column``."""
-
-        conversations_column: str | None = BuildConfig.conversations_column
-        """llava: the conversations column (None: "conversations"); ``--conversations-column``."""
-
-        texts_column: str | None = BuildConfig.texts_column
-        """cauldron: the turns column (None: "texts"); ``--texts-column``."""
-
-        truncate: bool = BuildConfig.truncate
-        """A sample longer than the pack length drops whole trailing turns instead of being
-        skipped as too_long (part of the key); ``--truncate``."""
+    class Config(
+        BaseDataLoader.Config,
+        PrefetchOptions,
+        WorkerOptions,
+        BatchOptions,
+        OrderOptions,
+        SourceOptions,
+    ):
+        """Every field is a stage's option, documented there: ``vl/options.py`` (source, order,
+        batch, workers) and ``PrefetchOptions`` (the background hand-off). Bases are listed last
+        to first so the fields keep the order source, order, batch, workers, prefetch."""
 
     def __init__(
         self,
@@ -187,7 +77,11 @@ class CachedVLDataLoader(BaseDataLoader):
         self.config = config
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.reader = VLReader(
-            config,
+            options(SourceOptions, config),
+            options(OrderOptions, config),
+            options(BatchOptions, config),
+            options(WorkerOptions, config),
+            options(PrefetchOptions, config),
             seq_len=config.pack_seq_len or seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
@@ -195,34 +89,86 @@ class CachedVLDataLoader(BaseDataLoader):
             tokenizer=tokenizer,
         )
 
-    def __getattr__(self, name: str) -> Any:
-        # The reader's facts (`source`, `dataset`, `collate`, ...) under the loader's name.
-        if name in READER_FACTS:
-            return getattr(self.reader, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # -- facts (the reader's, under the loader's name: probes, tests, benchmarks) ---------------
+    @property
+    def pipeline(self) -> Stage[Any]:
+        """The top stage: a ``Prefetch`` (device staging fuses its copy into it) or, with
+        DataLoader workers, the worker stage."""
+        return self.reader.pipeline
 
+    @property
+    def source(self) -> str:
+        return self.reader.source
+
+    @property
+    def cache_path(self) -> Path | None:
+        return self.reader.cache_path
+
+    @property
+    def dataset(self) -> Any:
+        return self.reader.dataset
+
+    @property
+    def model_path(self) -> str | None:
+        return self.reader.model_path
+
+    @property
+    def pack_seq_len(self) -> int:
+        return self.reader.pack_seq_len
+
+    @property
+    def num_workers(self) -> int:
+        return self.reader.num_workers
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return self.reader.special_tokens
+
+    @property
+    def pixel_norm(self) -> PixelNorm:
+        return self.reader.pixel_norm
+
+    @property
+    def collate(self) -> PackCollator:
+        return self.reader.collate
+
+    # -- torchtitan's calls ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.reader)
+        while True:
+            try:
+                yield self.reader.next()
+            except StopIteration:
+                return
 
     def finish_on_device(self, batch: Any) -> Any:
         """Normalise uint8 pixel_values where the batch now lives (``normalize_on="device"``)."""
         return self.reader.finish_on_device(batch)
 
+    def close(self) -> None:
+        """Stop the background thread / worker processes (idempotent)."""
+        self.reader.close()
+
+    def rank_state(self) -> State:
+        """This rank's state: the global position (the same on every rank)."""
+        return self.reader.rank_state()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"global": self.reader.state_dict(), "world_size": self.dp_world_size}
+        return checkpoint.envelope(LOADER, [self.rank_state()] * self.dp_world_size, "any")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        st = state_dict.get("global")
-        if st is None:  # torchtitan-style {"dp_rank_r": ...}: all entries hold the same state
-            ranked = sorted(k for k in state_dict if k.startswith("dp_rank_"))
-            if not ranked:
-                raise ValueError(
-                    f"VL loader state has no 'global' entry: keys {sorted(state_dict)}"
-                )
-            st = state_dict.get(f"dp_rank_{self.dp_rank}", state_dict[ranked[0]])
-        self.reader.load_state_dict(st)
+        legacy = state_dict.get(checkpoint.KEY)
+        if isinstance(legacy, dict) and "format" not in legacy and "epoch" in legacy:
+            self.reader.load_rank_state(legacy)  # the previous release's bare position
+            return
+        ranks = checkpoint.open_envelope(state_dict, LOADER, self.dp_world_size)
+        if any(r != ranks[0] for r in ranks[1:]):
+            raise checkpoint.LoaderStateError(
+                f"{LOADER}: the checkpoint's DP ranks hold different positions; a cached_vl "
+                "state is the same on every rank (was it written by another loader version?)"
+            )
+        self.reader.load_rank_state(ranks[0])
 
     def get_stats(self) -> dict[str, float]:
         """Numbers for the step log line (``VLReader.get_stats``)."""

@@ -19,6 +19,9 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
   start of the permutation, so every pack is read and a few twice). Either way every rank yields the
   same number of packs per epoch, so no collective waits forever on a rank that ran dry. ``drop``
   with ``N < W`` would give every rank zero packs: that is refused with an error naming ``wrap``.
+  A *state* taken right after an epoch's last round keeps the packs no round reached
+  (:func:`position`): resumed at a smaller degree, they are read in that epoch (every pack once
+  across DP degree changes); at the same or a larger degree, loading moves on to the next epoch.
 * **Workers.** With ``num_workers = n`` DataLoader workers, worker ``w`` takes the rank's packs in
   blocks of ``block_size`` (= the DataLoader batch size) round-robin: blocks ``w, w+n, w+2n, ...``.
   The DataLoader returns batches from workers round-robin, so the consumer sees exactly the same
@@ -28,8 +31,8 @@ pack each data-parallel rank (and each DataLoader worker) reads next, and rememb
   ``state_dict()`` returns the global ``(epoch, cursor)`` (elastic). Inside a worker
   (torchdata's ``StatefulDataLoader`` stores one state per worker) it returns the iteration's
   anchor plus the number of packs this worker yielded, which restores bitwise-exactly with the
-  same DP degree and worker count. ``vl.reader.VLReader`` (under the torchtitan loader) keeps its
-  own global state in the main process, so it resumes exactly *and* elastically with workers.
+  same DP degree and worker count. The loader's stages (``vl/stages.py``) keep the global state
+  in the main process, so it resumes exactly *and* elastically with workers.
 * **Lazy.** The cache is opened by path; ``VLCache.open`` reads and checks ``metadata.json`` and
   the file sizes, reading no token or pixel data (a damaged cache is an error here, naming the
   file). Each worker process re-opens it lazily after fork/spawn.
@@ -105,6 +108,21 @@ def advance(
             "use remainder='wrap' or a bigger cache"
         )
     return epoch + 1 + n // per_epoch, (n % per_epoch) * world_size
+
+
+def position(
+    num_packs: int, world_size: int, epoch: int, cursor: int, n: int, remainder: Remainder
+) -> tuple[int, int]:
+    """The ``(epoch, cursor)`` a *state* records after every rank read ``n`` more packs: as
+    :func:`advance`, except right after the epoch's last full round, where the packs the rounds
+    left unread (``remainder="drop"``: ``(N - c) mod W``) stay in the epoch — ``cursor`` counts
+    the packs consumed — so that the state, loaded at a smaller DP degree, reads them (exactly
+    once per epoch across degrees). Loading at a degree with no round left moves on to the next
+    epoch (``CachedVLDataset.load_state_dict``), so the batches that follow are the same."""
+    first = rounds_left(num_packs, world_size, cursor, remainder)
+    if n == first and cursor + n * world_size < num_packs:
+        return epoch, cursor + n * world_size
+    return advance(num_packs, world_size, epoch, cursor, n, remainder)
 
 
 def locate(
@@ -326,10 +344,16 @@ class CachedVLDataset(IterableDataset):
         Inside a worker: the anchor plus this worker's ``yielded`` count (exact, same layout)."""
         worker_id, num_workers = self._worker()
         if num_workers == 1:
-            epoch, cursor = self.global_state()
-            yielded = 0
-        else:
-            epoch, cursor, yielded = self._epoch, self._cursor, self._yielded
+            return self.position_state(*self.global_state())
+        return self.position_state(
+            self._epoch, self._cursor, self._yielded, worker=(worker_id, num_workers)
+        )
+
+    def position_state(
+        self, epoch: int, cursor: int, yielded: int = 0, worker: tuple[int, int] = (0, 1)
+    ) -> dict[str, int]:
+        """The :meth:`state_dict` of global position ``(epoch, cursor)`` (a fresh dict of plain
+        ints; the pipeline stages take one per batch). ``yielded`` / ``worker``: a worker's."""
         return {
             "version": _STATE_VERSION,
             "epoch": epoch,
@@ -340,8 +364,8 @@ class CachedVLDataset(IterableDataset):
             "seed": self.seed,
             "shuffle": int(self.shuffle),
             "remainder_wrap": int(self.remainder == "wrap"),
-            "worker_id": worker_id,
-            "num_workers": num_workers,
+            "worker_id": worker[0],
+            "num_workers": worker[1],
             "block_size": self.block_size,
         }
 

@@ -11,11 +11,12 @@ fallback. ``vl/reader.py`` (under the torchtitan loader) opens its packs with :f
 5. else None: the caller falls back to ``vl.online.OnlineVLDataset``, which runs the *same*
    preprocessing and packing inside the loader, with a loud warning that it is slow.
 
-The request is any object with the loader Config's attribute names (:class:`PackRequest`). Its
-attributes named like a :class:`~torchtitan_ext.vl.build_config.BuildConfig` field (``buckets``,
-``model_path``, ``max_samples``, ``exif_transpose``, ``fingerprint``, ...) flow into the cache key
-by name, so a knob added to both is never re-listed here. A damaged cache is an error
-(``vl.cache.CacheError``), never a silent rebuild or fallback.
+The request is a :class:`~torchtitan_ext.vl.options.SourceOptions` (the ``cached_vl`` loader Config
+inherits it). Its fields named like a :class:`~torchtitan_ext.vl.build_config.BuildConfig` field
+(``buckets``, ``model_path``, ``max_samples``, ``exif_transpose``, ``fingerprint``, ...) flow into
+the cache key by name (:meth:`SourceOptions.build_options`), so a knob added to both is never
+re-listed here. A damaged cache is an error (``vl.cache.CacheError``), never a silent rebuild or
+fallback.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from torchtitan_ext.vl.options import OrderOptions, SourceOptions
 
 logger = logging.getLogger(__name__)
 
@@ -50,27 +53,7 @@ class OnlinePreprocessingWarning(UserWarning):
     """The VL loader runs preprocessing inside the training job (no cache): slow."""
 
 
-class PackRequest(Protocol):
-    """The attributes :func:`open_packs` reads (the ``cached_vl`` loader Config has them all)."""
-
-    dataset: str
-    dataset_path: str | None
-    split: str
-    cache_dir: str
-    cache_path: str | None
-    buffer_size: int
-    use_preprocessed_cache: bool
-    force_preprocess: bool
-    build_if_missing: bool
-    preprocess_workers: int
-    strict: bool
-    seed: int
-    shuffle: bool
-    infinite: bool
-    remainder: str
-
-
-def dataset_arg(req: PackRequest) -> str | Path:
+def dataset_arg(req: SourceOptions) -> str | Path:
     """The dataset to read: ``dataset_path`` when set, else ``dataset`` (:func:`resolve_dataset`)."""
     if req.dataset_path:
         return req.dataset_path
@@ -83,24 +66,20 @@ def dataset_arg(req: PackRequest) -> str | Path:
     return resolve_dataset(req.dataset)
 
 
-def key_args(req: PackRequest, seq_len: int) -> dict[str, Any]:
+def key_args(req: SourceOptions, seq_len: int) -> dict[str, Any]:
     """``find_cache`` / ``build_cache`` arguments of a request: its BuildConfig-named
     attributes, by name."""
-    from torchtitan_ext.vl.build_config import OPTION_NAMES
-
-    options = {n: getattr(req, n) for n in OPTION_NAMES if n != "seq_len" and hasattr(req, n)}
-    options.pop("buffer_size", None)
     return {
         "dataset": dataset_arg(req),
         "split": req.split,
         "cache_dir": req.cache_dir,
         "seq_len": seq_len,
         "buffer_size": req.buffer_size,
-        **options,
+        **req.build_options(),
     }
 
 
-def _build(req: PackRequest, seq_len: int, force: bool) -> Path:
+def _build(req: SourceOptions, seq_len: int, force: bool) -> Path:
     from torchtitan_ext.vl import build  # looked up at call time (tests spy on build_cache)
 
     kw = key_args(req, seq_len)
@@ -121,7 +100,7 @@ def _build(req: PackRequest, seq_len: int, force: bool) -> Path:
     )
 
 
-def choose_cache(req: PackRequest, seq_len: int) -> Path | None:
+def choose_cache(req: SourceOptions, seq_len: int) -> Path | None:
     """The cache directory to read, or None for the online fallback (warned)."""
     if req.cache_path:
         p = Path(req.cache_path)
@@ -171,9 +150,15 @@ class Packs:
 
 
 def open_packs(
-    req: PackRequest, *, seq_len: int, dp_rank: int, dp_world_size: int, block_size: int
+    req: SourceOptions,
+    order: OrderOptions,
+    *,
+    seq_len: int,
+    dp_rank: int,
+    dp_world_size: int,
+    block_size: int,
 ) -> Packs:
-    """Choose the source (:func:`choose_cache`) and open it for one DP rank."""
+    """Choose the source (:func:`choose_cache`) and open it for one DP rank, in ``order``."""
     path = choose_cache(req, seq_len)
     if path is not None:
         from torchtitan_ext.vl.dataset import CachedVLDataset
@@ -182,10 +167,10 @@ def open_packs(
             path,
             dp_rank,
             dp_world_size,
-            infinite=req.infinite,
-            seed=req.seed,
-            shuffle=req.shuffle,
-            remainder=req.remainder,  # type: ignore[arg-type]
+            infinite=order.infinite,
+            seed=order.seed,
+            shuffle=order.shuffle,
+            remainder=order.remainder,
             block_size=block_size,
         )
         cache: Any = ds.cache
@@ -198,9 +183,9 @@ def open_packs(
         **kw,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
-        infinite=req.infinite,
-        seed=req.seed,
-        shuffle=req.shuffle,
+        infinite=order.infinite,
+        seed=order.seed,
+        shuffle=order.shuffle,
         strict=req.strict,
     )
     return Packs("online", None, online, online.special_tokens, online.metadata)

@@ -1,40 +1,34 @@
-"""VLReader: one DP rank's batches of packed VL samples, and the position the consumer reached.
+"""VLReader: one DP rank's VL batches as a chain of pipeline stages, and the facts about them.
 
-Free of torchtitan: the ``cached_vl`` loader (``loaders/vl.py``) maps its Config onto this class
-and only speaks torchtitan's checkpoint format around it.
+Free of torchtitan: the ``cached_vl`` loader (``loaders/vl.py``) picks each stage's options out of
+its Config (``vl/options.py``) and speaks torchtitan's checkpoint format around this class.
 
-Reading. :func:`~torchtitan_ext.vl.pack_source.open_packs` chooses the data source once (an
-existing cache, a cache built now, or the slow online fallback, warned) and opens it for this rank.
-Batches come from a ``torch.utils.data.DataLoader`` over ``CachedVLDataset`` (``num_workers``
-processes, each reading a disjoint block-interleaved slice of this rank's packs, in the same order
-as with no workers) and ``vl.collate.PackCollator`` (``batch_format`` "torchtitan" ->
-``(input_dict, labels)`` for torchtitan's trainer, "hf" -> Qwen3-VL forward kwargs).
+Opening. :func:`~torchtitan_ext.vl.pack_source.open_packs` chooses the data source once (an
+existing cache, a cache built now, or the slow online fallback, warned) and opens it for this rank;
+the reader checks the trainer's tokenizer against the cache's special tokens first.
 
-Position. The reader counts the packs it has *handed to the consumer* since the anchor (the global
-``(epoch, cursor)`` where the current DataLoader pass started) and reports the global position
-reached. Invariant: ``position() == advance(anchor, packs handed out since the anchor)``
-(``vl/dataset.py``), so prefetched-but-unconsumed batches in worker queues never leak into a
-state: resume is bitwise exact with any ``num_workers``, and elastic (a DP=2 state loads at DP=1
-and vice versa). The state is a dict of plain ints.
+The chain (``vl/stages.py``): with ``num_workers = 0`` (always for the online fallback)
+``Prefetch(CountBatches(CollatePacks(CachePacks | OnlinePacks)))`` — fetch and collate run in the
+one background thread (:class:`~torchtitan_ext.pipeline.prefetch.Prefetch`), the training thread
+only pops a ready batch; device staging fuses its copy into that Prefetch (``.pipeline``). With
+workers: ``CountBatches(WorkerBatches)`` — the DataLoader's processes are one stage and prefetch
+themselves. Either way the data order is the same, and the state is the global position right
+after the last batch handed over (``vl/stages.py``), the same on every rank.
 
-Cost: ``python -m benchmarks vl_dataset`` (rows in ``benchmarks/RESULTS.md``) times opening the
-loader over an existing cache, the training thread's fetch + collate with ``num_workers=0``, and
-its wait with one worker (the batch only crosses shared memory). One worker showed no clear gain,
-so the GPU configs keep ``num_workers=0`` and let ``AsyncDeviceLoader``'s background thread call
-the loader (``[staging] enable``; pass ``device_transform=loader.finish_on_device`` when
-``normalize_on="device"``).
+Cost: ``python -m benchmarks vl_dataset`` (rows in ``benchmarks/RESULTS.md``) times the fetch +
+collate of a pack, the training thread's wait in ``next()`` with the loader in process (the
+Prefetch hand-off) and with one worker, and opening the loader over an existing cache.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from torch.utils.data import DataLoader
-
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
+from torchtitan_ext.pipeline.stage import Stage, State
 from torchtitan_ext.vl.collate import (
     BATCH_FORMATS,
     PackCollator,
@@ -42,8 +36,18 @@ from torchtitan_ext.vl.collate import (
     check_special_tokens,
     finish_on_device,
 )
-from torchtitan_ext.vl.dataset import CachedVLDataset, advance
-from torchtitan_ext.vl.pack_source import PackRequest, open_packs
+from torchtitan_ext.vl.options import BatchOptions, OrderOptions, SourceOptions, WorkerOptions
+from torchtitan_ext.vl.pack_source import open_packs
+from torchtitan_ext.vl.stages import (
+    SOURCE_ONLINE,
+    CachePacks,
+    CollatePacks,
+    CountBatches,
+    OnlinePacks,
+    WorkerBatches,
+    position_of,
+    with_position,
+)
 
 
 def processor_path(model_path: str | None, hf_assets_path: str | None) -> str | None:
@@ -57,30 +61,18 @@ def processor_path(model_path: str | None, hf_assets_path: str | None) -> str | 
     return None
 
 
-class ReadRequest(PackRequest, Protocol):
-    """The attributes :class:`VLReader` reads besides :class:`PackRequest`'s (the ``cached_vl``
-    loader Config, a dataclass, has them all)."""
-
-    model_path: str | None
-    num_workers: int
-    prefetch_factor: int | None
-    pin_memory: bool
-    batch_format: str
-    normalize_on: str
-
-
-def _check_request(req: ReadRequest, batch_size: int, seq_len: int | None) -> int:
+def _check(batch: BatchOptions, order: OrderOptions, batch_size: int, seq_len: int | None) -> int:
     """The pack length, after refusing settings no reader can serve (one line each)."""
-    if req.batch_format not in BATCH_FORMATS:
+    if batch.batch_format not in BATCH_FORMATS:
         raise ValueError(
-            f"dataloader.batch_format must be one of {BATCH_FORMATS}, got {req.batch_format!r}"
+            f"dataloader.batch_format must be one of {BATCH_FORMATS}, got {batch.batch_format!r}"
         )
-    if req.normalize_on not in ("collate", "device"):
+    if batch.normalize_on not in ("collate", "device"):
         raise ValueError(
-            f"dataloader.normalize_on must be 'collate' or 'device', got {req.normalize_on!r}"
+            f"dataloader.normalize_on must be 'collate' or 'device', got {batch.normalize_on!r}"
         )
-    if req.remainder not in ("drop", "wrap"):
-        raise ValueError(f"dataloader.remainder must be 'drop' or 'wrap', got {req.remainder!r}")
+    if order.remainder not in ("drop", "wrap"):
+        raise ValueError(f"dataloader.remainder must be 'drop' or 'wrap', got {order.remainder!r}")
     if batch_size < 1:
         raise ValueError(f"local_batch_size must be >= 1, got {batch_size}")
     if not seq_len:
@@ -122,45 +114,6 @@ def check_model_tokenizer(tokenizer: Any, cache_path: str | None, model_path: st
         )
 
 
-def batch_arrays(batch: Any) -> tuple[Any, Any]:
-    """(token ids [B, L], image grids [I, 3] or None) of a batch in any ``BATCH_FORMATS``."""
-    if isinstance(batch, tuple):
-        inp = batch[0]
-        return inp["input"], inp.get("grid_thw", inp.get("image_grid_thw"))
-    return batch["input_ids"], batch.get("image_grid_thw")
-
-
-@dataclass
-class ReadStats:
-    """What the consumer has received so far, and how long it waited for it."""
-
-    batches: int = 0
-    packs: int = 0
-    tokens: int = 0
-    """Real (non-pad) tokens."""
-    pad_tokens: int = 0
-    images: int = 0
-    patches: int = 0
-    wait_s: float = 0.0
-    last_wait_s: float = 0.0
-
-    def add(self, batch: Any, pad_id: int, wait_s: float) -> int:
-        """Count one batch handed to the consumer; returns its packs."""
-        tokens, grid = batch_arrays(batch)
-        n = int(tokens.shape[0])
-        pad = int((tokens == pad_id).sum())
-        self.batches += 1
-        self.packs += n
-        self.tokens += int(tokens.numel()) - pad
-        self.pad_tokens += pad
-        if grid is not None:
-            self.images += int(grid.shape[0])
-            self.patches += int(grid.prod(dim=-1).sum())
-        self.wait_s += wait_s
-        self.last_wait_s = wait_s
-        return n
-
-
 class VLReader:
     """Batches of one DP rank's packs (cache or online fallback) with an exact global position.
 
@@ -169,11 +122,20 @@ class VLReader:
     (:func:`check_model_tokenizer`, before any cache is built), and its ``tokenizer_path`` (the
     trainer's ``hf_assets_path``) is the processor when ``model_path`` is unset
     (:func:`processor_path`).
+
+    Facts for probes, tests and benchmarks: ``source`` ("cache" / "online"), ``cache_path``,
+    ``dataset`` (``CachedVLDataset`` / ``OnlineVLDataset``), ``model_path``, ``pack_seq_len``,
+    ``num_workers`` (0 for the online fallback), ``special_tokens``, ``pixel_norm``, ``collate``;
+    ``pipeline`` is the top stage.
     """
 
     def __init__(
         self,
-        req: ReadRequest,
+        source: SourceOptions,
+        order: OrderOptions,
+        batch: BatchOptions,
+        workers: WorkerOptions,
+        prefetch: PrefetchOptions,
         *,
         seq_len: int | None,
         dp_rank: int = 0,
@@ -181,19 +143,20 @@ class VLReader:
         batch_size: int = 1,
         tokenizer: Any = None,
     ) -> None:
-        self.pack_seq_len = _check_request(req, batch_size, seq_len)
-        self.config = req
+        self.pack_seq_len = _check(batch, order, batch_size, seq_len)
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.batch_size = batch_size
 
         t0 = time.perf_counter()
-        self.model_path = processor_path(req.model_path, getattr(tokenizer, "tokenizer_path", None))
-        check_model_tokenizer(tokenizer, req.cache_path, self.model_path)
-        keyed = req  # the request whose processor keys the cache
-        if self.model_path != req.model_path:
-            keyed = replace(req, model_path=self.model_path)  # type: ignore[type-var]
+        self.model_path = processor_path(
+            source.model_path, getattr(tokenizer, "tokenizer_path", None)
+        )
+        check_model_tokenizer(tokenizer, source.cache_path, self.model_path)
+        if self.model_path != source.model_path:  # the processor that keys the cache
+            source = replace(source, model_path=self.model_path)
         packs = open_packs(
-            keyed,
+            source,
+            order,
             seq_len=self.pack_seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
@@ -201,118 +164,73 @@ class VLReader:
         )
         self.source, self.cache_path, self.dataset = packs.source, packs.path, packs.dataset
         self.special_tokens = packs.special_tokens
-        self.num_workers = req.num_workers if packs.source == "cache" else 0
+        self.num_workers = workers.num_workers if packs.source == "cache" else 0
         self.open_s = time.perf_counter() - t0
         self.pixel_norm = PixelNorm.from_metadata(packs.metadata)
         self.collate = PackCollator(
-            req.batch_format,  # type: ignore[arg-type]
-            self.special_tokens,
-            norm=self.pixel_norm,
-            normalize_on=req.normalize_on,  # type: ignore[arg-type]
+            batch.batch_format, self.special_tokens, self.pixel_norm, batch.normalize_on
         )
-        self.stats = ReadStats()
-        self._reset_position()
+        self.pipeline = self._chain(batch, workers, prefetch)
+        self._wait_s = self._wait_last_s = 0.0
+
+    def _chain(
+        self, batch: BatchOptions, workers: WorkerOptions, prefetch: PrefetchOptions
+    ) -> Stage[Any]:
+        pad_id = self.collate.pad_id
+        if self.num_workers > 0:
+            inner = WorkerBatches(
+                self.dataset, self.batch_size, self.collate, workers, batch.pin_memory
+            )
+            return CountBatches(inner, pad_id)
+        src = CachePacks(self.dataset) if self.source == "cache" else OnlinePacks(self.dataset)
+        collated = CollatePacks(src, self.batch_size, self.collate, batch.pin_memory)
+        return Prefetch(CountBatches(collated, pad_id), prefetch, name="vl-loader")
 
     # -- iteration ------------------------------------------------------------------------------
-    def _reset_position(self) -> None:
-        """(Re)start reading at the dataset's current anchor."""
-        self._packs_since_anchor = 0
-        self._iterator: Iterator[Any] | None = None
-        ds = self.dataset
-        # Global position where the current DataLoader pass starts. Kept here (not read live from
-        # the dataset) because with workers the main-process dataset never iterates.
-        self._anchor = (ds._epoch, ds._cursor) if self.source == "cache" else (0, 0)
-
-    def _make_loader(self) -> DataLoader:
-        kw: dict[str, Any] = {}
-        if self.num_workers > 0:
-            kw["num_workers"] = self.num_workers
-            if self.config.prefetch_factor is not None:
-                kw["prefetch_factor"] = self.config.prefetch_factor
-        return DataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
-            collate_fn=self.collate,
-            pin_memory=self.config.pin_memory,
-            **kw,
-        )
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._iterator is None:
-            self._iterator = iter(self._make_loader())
-        it = self._iterator
-        while True:
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                # Finite pass over: move the anchor past it (the workers' copies did the same).
-                if self.source == "cache":
-                    ds = self.dataset
-                    ds._epoch, ds._cursor = self.position()
-                    ds._yielded = 0
-                self._reset_position()
-                return
-            wait = time.perf_counter() - t0
-            self._packs_since_anchor += self.stats.add(batch, self.collate.pad_id, wait)
-            yield batch
+    def next(self) -> Any:
+        """The next batch; ``StopIteration`` at the end of a finite pass, after which the chain
+        stands at the next epoch's start (the next call reads it)."""
+        t0 = time.perf_counter()
+        try:
+            batch = self.pipeline.next()
+        except StopIteration:
+            self.pipeline.reset(self.pipeline.state())  # re-arm: the next pass starts there
+            raise
+        self._wait_last_s = time.perf_counter() - t0
+        self._wait_s += self._wait_last_s
+        return batch
 
     def finish_on_device(self, batch: Any) -> Any:
         """Normalise uint8 pixel_values where the batch now lives (``normalize_on="device"``)."""
         return finish_on_device(batch, self.pixel_norm)
 
+    def close(self) -> None:
+        self.pipeline.close()
+
     # -- state ----------------------------------------------------------------------------------
-    def position(self) -> tuple[int, int]:
-        """Global ``(epoch, cursor)`` after the packs handed to the consumer (cache source)."""
-        ds: CachedVLDataset = self.dataset
-        return advance(
-            ds.num_packs,
-            ds.dp_world_size,
-            *self._anchor,
-            self._packs_since_anchor,
-            ds.remainder,
-        )
+    def rank_state(self) -> State:
+        """The global position after the batches handed over: plain ints (and a short list of
+        ints for the online source), the same on every rank; ``source`` 0: cache, 1: online."""
+        return position_of(self.pipeline.state())
 
-    def state_dict(self) -> dict[str, Any]:
-        """The consumer's position as plain ints, the same on every rank (``source`` 0: cache,
-        1: online)."""
-        if self.source == "online":
-            # In process (no workers, no read-ahead): the dataset's own state is the consumer's.
-            return {"source": 1, **self.dataset.state_dict()}
-        epoch, cursor = self.position()
-        st = self.dataset.state_dict()  # compatibility fields (num_packs, seed, ...)
-        st.update({"epoch": epoch, "cursor": cursor, "yielded": 0, "source": 0})
-        return st
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (saved at any DP degree); reading restarts there."""
-        st = dict(state)
-        source = int(st.pop("source", 0))
-        if (source == 1) != (self.source == "online"):
+    def load_rank_state(self, position: State) -> None:
+        """Restore a :meth:`rank_state` (saved at any DP degree); reading restarts there."""
+        saved_online = int(position.get("source", 0)) == SOURCE_ONLINE
+        if saved_online != (self.source == "online"):
             raise ValueError(
-                f"VL loader state was saved from the {'online' if source else 'cache'} source but "
-                f"this loader reads from the {self.source}; the orders differ"
+                f"VL loader state was saved from the {'online' if saved_online else 'cache'} "
+                f"source but this loader reads from the {self.source}; the orders differ"
             )
-        self.dataset.load_state_dict(st)
-        self._reset_position()
+        self.pipeline.reset(with_position(self.pipeline.state(), dict(position)))
 
     # -- stats ----------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, float]:
         """Numbers for the step log line (cumulative unless the name says ``last``)."""
-        s = self.stats
-        total = s.tokens + s.pad_tokens
-        online = self.source == "online"
-        return {
-            "batches": float(s.batches),
-            "packs": float(s.packs),
-            "tokens": float(s.tokens),
-            "pad_pct": 100.0 * s.pad_tokens / total if total else 0.0,
-            "images": float(s.images),
-            "patches": float(s.patches),
-            "consumer_wait_ms": 1e3 * s.wait_s,
-            "wait_ms_last": 1e3 * s.last_wait_s,
-            "epoch": float(self.state_dict()["epoch"]),
-            "online": 1.0 if online else 0.0,
-            "skipped": float(sum(self.dataset.skips.values())) if online else 0.0,
-            "open_s": self.open_s,
-        }
+        top = self.pipeline
+        if isinstance(top, Prefetch):
+            out = top.get_stats()  # + queue depth, producer busy time, thread policy
+        else:
+            out = {**top.stats(top.state()), "consumer_wait_ms": 1e3 * self._wait_s}
+        out["wait_ms_last"] = 1e3 * self._wait_last_s
+        out["open_s"] = self.open_s
+        return {k: float(v) for k, v in out.items()}
