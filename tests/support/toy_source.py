@@ -26,15 +26,13 @@ from torchtitan_ext.pipeline.stage import Stage, State
 
 
 class JsonlSource(Stage[tuple[int, str]]):
-    """``(line id, text)``; slot ``slot`` of ``nslots`` reads its deal of the ``piece``-line
-    ranges of each file that nobody read in the state's past ``phases``."""
+    """``(line id, text)`` (lines of ``files`` numbered in order); slot ``slot`` of ``nslots``
+    reads its deal of the ``piece``-line ranges nobody read in the state's past ``phases``."""
 
     def __init__(self, files: list[Path], slot: int, nslots: int, infinite: bool, piece: int = 4):
-        self.lines, self.units = [], []
-        for f in files:
-            n0, self.lines = len(self.lines), self.lines + Path(f).read_text().splitlines()
-            self.units += [Unit(i, i, min(i + piece, len(self.lines)))
-                           for i in range(n0, len(self.lines), piece)]  # fmt: skip
+        self.lines = [ln for f in files for ln in Path(f).read_text().splitlines()]
+        n = len(self.lines)
+        self.units = [Unit(i, i, min(i + piece, n)) for i in range(0, n, piece)]
         self.slot, self.nslots, self.infinite = slot, nslots, infinite
         self.reset(None)
 
@@ -123,8 +121,9 @@ class ToyJsonlLoader:
         return self.pipe.state()
 
     def state_dict(self) -> dict[str, Any]:
-        ranks = checkpoint.gather(self.rank_state(), self.rank, self.world)
-        return checkpoint.envelope(self.name, ranks, "any")
+        return checkpoint.envelope(
+            self.name, checkpoint.gather(self.rank_state(), self.rank, self.world)
+        )
 
     def load_state_dict(self, value: dict[str, Any]) -> None:
         old = checkpoint.open_envelope(value, self.name, self.world)
@@ -133,8 +132,7 @@ class ToyJsonlLoader:
         src = old[0]["source"]  # a new degree: one more phase, the old buffers dealt again
         phases = [*src["phases"], [r["source"]["at"] for r in old]]
         held = redeal([r["held"] for r in old], self.world)[self.rank]
-        at = {"phases": phases, "at": [0, 0], "epoch": src["epoch"]}
-        self.pipe.reset({"source": at, "held": held})
+        self.pipe.reset({"source": {**src, "phases": phases, "at": [0, 0]}, "held": held})
 
     def get_stats(self) -> dict[str, Any]:
         return self.pipe.get_stats()
