@@ -38,6 +38,7 @@ def spec(files: list[Path]) -> LoaderSpec:
         "toy_jsonl",
         lambda rank, world, infinite: ToyJsonlLoader(files, rank, world, infinite=infinite),
         doc_ids=lambda batch: batch[0]["doc_starts"].tolist(),
+        doc_ends=lambda batch: batch[0]["doc_ends"].tolist(),
         epoch_docs=set(range(3 * 37)),
     )
 
@@ -60,9 +61,10 @@ def test_prefetch_and_stats_come_for_free(files: list[Path]) -> None:
 
 def test_a_finite_pass_emits_every_document_once(files: list[Path]) -> None:
     ld = ToyJsonlLoader(files, 0, 1, infinite=False)
-    starts = [d for b in take(ld, None) for d in b[0]["doc_starts"].tolist()]
+    batches = take(ld, None)
     ld.close()
-    assert starts == list(range(3 * 37))
+    for key in ("doc_starts", "doc_ends"):
+        assert [d for b in batches for d in b[0][key].tolist()] == list(range(3 * 37)), key
 
 
 def test_state_dict_is_the_one_envelope(files: list[Path]) -> None:

@@ -106,5 +106,6 @@ def toy_jsonl(variant: Variant, root: Path) -> LoaderSpec:
         "toy_jsonl",
         staged(build) if variant.staging else build,
         doc_ids=lambda batch: batch[0]["doc_starts"].tolist(),
+        doc_ends=lambda batch: batch[0]["doc_ends"].tolist(),
         epoch_docs=set(range(ndocs)),
     )

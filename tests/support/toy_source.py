@@ -7,7 +7,8 @@ tokens, ``batch`` rows per item. :class:`~torchtitan_ext.pipeline.prefetch.Prefe
 in a thread; ``ToyJsonlLoader`` is the torchtitan-facing adapter. Free: the background hand-off,
 stats, the checkpoint envelope, exact resume, elastic resume (old ranks' phases + redealt
 buffers). Invariant: every document of a finite pass starts in exactly one batch
-(``input["doc_starts"]``), at any chain of DP degrees.
+and ends in exactly one (``input["doc_starts"]``, ``input["doc_ends"]``), at any chain of DP
+degrees.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ class PackRows(Stage[tuple[dict, torch.Tensor]]):
     def __init__(self, upstream: Stage[tuple[int, str]], seq_len: int, batch: int) -> None:
         self.upstream, self.n, self.b, self.held = upstream, seq_len + 1, batch, []
 
-    def _row(self, starts: list[int]) -> np.ndarray | None:
+    def _row(self, starts: list[int], ends: list[int]) -> np.ndarray | None:
         row: list[np.ndarray] = []
         while (need := self.n - sum(map(len, row))) and (self.held or self._pull()):
             doc, started, toks = self.held[0]
             starts += [] if started else [doc]
+            ends += [doc] if len(toks) <= need else []
             row.append(toks[:need])
             self.held[0:1] = [[doc, 1, toks[need:]]] if len(toks) > need else []
         return np.pad(np.concatenate(row), (0, need)) if row else None
@@ -86,11 +88,13 @@ class PackRows(Stage[tuple[dict, torch.Tensor]]):
 
     def next(self) -> tuple[dict, torch.Tensor]:
         starts: list[int] = []
-        rows = [r for _ in range(self.b) if (r := self._row(starts)) is not None]
+        ends: list[int] = []
+        rows = [r for _ in range(self.b) if (r := self._row(starts, ends)) is not None]
         if not rows:
             raise StopIteration
         x = torch.from_numpy(np.stack(rows))
-        return {"input": x[:, :-1], "doc_starts": torch.tensor(starts, dtype=torch.long)}, x[:, 1:]
+        ids = {"doc_starts": torch.tensor(starts).long(), "doc_ends": torch.tensor(ends).long()}
+        return {"input": x[:, :-1], **ids}, x[:, 1:]
 
     def state(self) -> State:
         return {"source": self.upstream.state(), "held": list(self.held)}
