@@ -35,8 +35,12 @@ The median is the hand-off's own cost: there ours was below ``queue.Queue`` in e
 ``deepcopy`` of the state and its stats wrappers around ``next``). The tails did *not* separate
 the variants on that host: p99 0.2-80 ms and 1-12 % of the loop lost outside ``next()`` for
 every one of them, the ranges overlapping (the other jobs' load dominated; the adaptive
-``SCHED_IDLE`` policy, which yields to them, had the widest p99 range). So the earlier tail
-advantage is neither confirmed nor refuted by this run.
+``SCHED_IDLE`` policy, which yields to them, had the widest p99 range). A second run right
+after (``--repeats 3 --set consumers=sleep --noise-tol 0``, load average 2.6-4.7) repeated the
+medians (ours 35 us, 34 with the normal policy, ``queue.Queue`` 59, torchdata.nodes 89, Grain
+117) and again overlapping tails (p99 0.2-16 ms), though with the adaptive policy the loop lost
+0.65 % (-0.07 to 2.6) against 2.5-4.5 % for every other variant. So the earlier tail advantage
+is neither confirmed nor refuted here; a quiet host is needed for that.
 
 Decision: keep ours. Neither library's thread hand-off is cheaper, and neither offers what this
 stage is for: no per-item copy of the state (ours relies on states being immutable once
