@@ -87,8 +87,7 @@ class PackRows(Stage[tuple[dict, torch.Tensor]]):
         return True
 
     def next(self) -> tuple[dict, torch.Tensor]:
-        starts: list[int] = []
-        ends: list[int] = []
+        starts, ends = [], []  # documents starting / ending in this batch
         rows = [r for _ in range(self.b) if (r := self._row(starts, ends)) is not None]
         if not rows:
             raise StopIteration
@@ -125,9 +124,8 @@ class ToyJsonlLoader:
         return self.pipe.state()
 
     def state_dict(self) -> dict[str, Any]:
-        return checkpoint.envelope(
-            self.name, checkpoint.gather(self.rank_state(), self.rank, self.world)
-        )
+        ranks = checkpoint.gather(self.rank_state(), self.rank, self.world)
+        return checkpoint.envelope(self.name, ranks, "any")
 
     def load_state_dict(self, value: dict[str, Any]) -> None:
         old = checkpoint.open_envelope(value, self.name, self.world)
