@@ -17,7 +17,9 @@ what torchtitan asks of it, plus ``rank_state()``:
   ``steps`` more: bitwise equal to ``2 * steps`` uninterrupted batches, on every rank.
 * **Other degrees** (``dp_to`` a sequence, e.g. ``(3, 1)``) — a finite pass read ``steps``
   batches per rank at ``dp_from``, then at each degree of ``dp_to`` (the last one to the end):
-  every document of the epoch is emitted exactly once (``spec.doc_ids``), none lost, none twice.
+  every document of the epoch is emitted exactly once (``spec.doc_ids``), none lost, none twice;
+  with ``spec.doc_ends`` also every document's *end* exactly once (a lost tail of a document
+  split across batches is invisible to the starts alone).
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ class LoaderSpec:
     ``build(dp_rank, dp_world_size, infinite)`` returns a fresh loader (its workers / staging
     decided by the spec); ``doc_ids(batch)`` the documents *starting* in a batch (each document
     is counted where it starts, so a document split across batches is counted once);
-    ``epoch_docs`` every document of one pass.
+    ``epoch_docs`` every document of one pass; optional ``doc_ends(batch)`` the documents
+    *ending* in a batch (checked like the starts where given).
     """
 
     name: str
     build: Callable[[int, int, bool], Any]
     doc_ids: Callable[[Any], list[int]] | None = None
     epoch_docs: set[int] = field(default_factory=set)
+    doc_ends: Callable[[Any], list[int]] | None = None
 
 
 def same(a: Any, b: Any) -> bool:
@@ -116,6 +120,7 @@ def assert_same_degree(spec: LoaderSpec, steps: int, world: int, infinite: bool 
 def assert_elastic(spec: LoaderSpec, steps: int, dp_from: int, dp_to: Sequence[int]) -> None:
     assert spec.doc_ids is not None and spec.epoch_docs, "elastic checks need doc_ids"
     seen: list[int] = []
+    ended: list[int] = []
     loaders = _build_all(spec, dp_from, False)
     degrees = [dp_from, *dp_to]
     for i, world in enumerate(degrees):
@@ -129,17 +134,24 @@ def assert_elastic(spec: LoaderSpec, steps: int, dp_from: int, dp_to: Sequence[i
         for ld in loaders:
             for batch in take(ld, None if last else steps):
                 seen += spec.doc_ids(batch)
+                ended += spec.doc_ends(batch) if spec.doc_ends is not None else []
     _close_all(loaders)
+    path = " -> ".join(map(str, degrees))
+    _assert_once(spec, seen, f"{spec.name} DP {path}: documents")
+    if spec.doc_ends is not None:
+        _assert_once(spec, ended, f"{spec.name} DP {path}: document ends")
+
+
+def _assert_once(spec: LoaderSpec, seen: list[int], what: str) -> None:
     counts: dict[int, int] = {}
     for d in seen:
         counts[d] = counts.get(d, 0) + 1
     twice = sorted(d for d, c in counts.items() if c > 1)
     lost = sorted(spec.epoch_docs - counts.keys())
     extra = sorted(counts.keys() - spec.epoch_docs)
-    path = " -> ".join(map(str, degrees))
-    assert not twice, f"{spec.name} DP {path}: documents emitted twice: {twice[:10]}"
-    assert not lost, f"{spec.name} DP {path}: documents lost: {lost[:10]} ({len(lost)})"
-    assert not extra, f"{spec.name} DP {path}: unknown documents: {extra[:10]}"
+    assert not twice, f"{what} emitted twice: {twice[:10]}"
+    assert not lost, f"{what} lost: {lost[:10]} ({len(lost)})"
+    assert not extra, f"{what} unknown: {extra[:10]}"
 
 
 def assert_resume_exact(

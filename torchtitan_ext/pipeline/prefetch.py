@@ -12,10 +12,44 @@ documents across processes.
 
 Why this hand-off. :class:`~torchtitan_ext.pipeline.handoff._ReadyQueue` — ``next()`` is a
 ``deque`` pop that never wakes the producer (``queue.Queue.get`` does, from inside the training
-loop: 2-5 ms stalls a few times per 100 steps on 2 cores, traced with ``perf sched``). This
-is what torchdata.nodes' ``Prefetcher`` and Grain's prefetch do not offer, and what decided the
-contract: ``python -m benchmarks handoff`` measures ``next()`` p50/p99 of each under a consumer
-that is busy half of the time (figures in ``benchmarks/RESULTS.md``).
+loop; traced earlier with ``perf sched`` on 2 cores as 2-5 ms stalls a few times per 100 steps).
+
+What was measured (``python -m benchmarks handoff``, table in ``benchmarks/RESULTS.md``): one
+producer (GPT-2 ``encode_batch`` of 4 documents per item, GIL released) behind each hand-off, 8
+items ahead, one state per item, a consumer at 50 % load (sleeping or spinning in Python), 5
+interleaved rounds on the 2-core VM while other jobs kept its load average at 3-7:
+
+==========================  ======================  ======================
+``next()`` p50: median      sleeping consumer       spinning consumer
+(per-round range)
+==========================  ======================  ======================
+ours (``Prefetch``)         34 us (32-36)           30 us (27-31)
+thread + ``queue.Queue``    53 us (51-62)           48 us (43-1066)
+torchdata.nodes Prefetcher  87 us (84-106)          87 us (69-3089)
+Grain ThreadPrefetch        105 us (101-115)        107 us (96-549)
+==========================  ======================  ======================
+
+The median is the hand-off's own cost: there ours was below ``queue.Queue`` in every paired round
+(1.4-1.8x with the sleeping consumer), torchdata.nodes' was 2.5-2.9x ours and Grain's 3.1-3.6x
+(their per-item machinery: torchdata's semaphore, snapshot store and polling ``get``; Grain's
+``deepcopy`` of the state and its stats wrappers around ``next``). The tails did *not* separate
+the variants on that host: p99 0.2-80 ms and 1-12 % of the loop lost outside ``next()`` for
+every one of them, the ranges overlapping (the other jobs' load dominated; the adaptive
+``SCHED_IDLE`` policy, which yields to them, had the widest p99 range). A second run right
+after (``--repeats 3 --set consumers=sleep --noise-tol 0``, load average 2.6-4.7) repeated the
+medians (ours 35 us, 34 with the normal policy, ``queue.Queue`` 59, torchdata.nodes 89, Grain
+117) and again overlapping tails (p99 0.2-16 ms), though with the adaptive policy the loop lost
+0.65 % (-0.07 to 2.6) against 2.5-4.5 % for every other variant. So the earlier tail advantage
+is neither confirmed nor refuted here; a quiet host is needed for that.
+
+Decision: keep ours. Neither library's thread hand-off is cheaper, and neither offers what this
+stage is for: no per-item copy of the state (ours relies on states being immutable once
+returned; Grain deep-copies each), ``then`` (the staging copy in the same thread), the thread
+policy, the same exception object relayed. Building on Grain would take: each loader chain
+wrapped as :class:`~torchtitan_ext.pipeline.grain_adapter.ToGrain` under Grain's
+``ThreadPrefetchIterDataset``, staging as a ``map`` under it, our checkpoint envelope kept
+(Grain's states are plain dicts), and the thread policy given up; on torchdata.nodes, a
+``BaseNode`` per stage under its ``Prefetcher`` and ``PinMemory`` nodes, likewise.
 
 Other duties, each in one place:
 

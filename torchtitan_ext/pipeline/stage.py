@@ -22,9 +22,19 @@ transforms (tokenize + pack, VL collate), then :class:`~torchtitan_ext.pipeline.
 
 Why our own class (and not torchdata.nodes' ``BaseNode`` or Grain's ``DatasetIterator``): both
 have the same four calls under other names (``next``/``state_dict``/``reset``,
-``get_state``/``set_state``), and this class keeps their shape so an adapter is a few lines. The
-deciding measurement is the hand-off (``python -m benchmarks handoff``, figures in
-``benchmarks/RESULTS.md``); the reasoning is in :mod:`~torchtitan_ext.pipeline.prefetch`.
+``__next__``/``get_state``/``set_state``), so adapters are a few lines, and what decided it was
+measured: ``python -m benchmarks handoff`` (figures in ``benchmarks/RESULTS.md``, reasoning in
+:mod:`~torchtitan_ext.pipeline.prefetch`) ran one producer behind each library's thread
+prefetch and ours; at the median ``next()`` torchdata.nodes cost 2.5-2.9x and Grain 3.1-3.6x ours,
+and neither offers what the contract relies on (states immutable once returned, so no per-item
+copy; the staging copy in the same thread; the thread policy). So the contract stays ours.
+
+torchtitan's main branch has moved its data loading to Grain.
+:mod:`~torchtitan_ext.pipeline.grain_adapter` bridges both ways (tested with grain 0.2.18):
+``ToGrain(stage)`` is a Grain checkpointable iterator (``get_state``/``set_state`` =
+``state``/``reset``), usable as the parent of Grain's prefetch; ``FromGrain(iterator)`` makes a
+Grain pipeline a source stage under our ``Prefetch`` and checkpoint envelope (Grain's states are
+dicts of ints, encoded as they are).
 
 Layering: this package imports only the standard library, numpy and torch; ``text``, ``vl`` and
 ``device`` build their stages on it, never the other way round.
