@@ -309,10 +309,10 @@ def test_own_hand_off_is_one_thread_and_one_snapshot_per_batch(opts):
     ld = ListLoader(30)
     before = _threads()
     w = wrap_for_device(ld, "cpu", enabled=True, num_buffers=3, **opts)
-    assert isinstance(w, AsyncDeviceLoader) and not w.fused
     for i in range(5):
         assert same(next(w), make_batch(i))
-    assert [t.name for t in _threads() - before] == ["AsyncDeviceLoader"]
+    assert [t.name for t in _threads() - before] == ["AsyncDeviceLoader"]  # was fetch + stage
+    assert isinstance(w, AsyncDeviceLoader) and not w.fused
     # one snapshot per batch pulled (+1 when the hand-off was built), none by state_dict();
     # waited for: the thread runs ahead and snapshots right after each pull
     _wait_until(lambda: ld.i > 5 and ld.state_dict_calls == ld.i + 1)
