@@ -26,7 +26,8 @@ state snapshots per batch during the timed steps (source ``state()`` calls + ada
 ``state_dict()`` calls, divided by the batches the source made meanwhile).
 
 Options (``--set key=value``): ``steps`` (default 300; quick 30), ``warmup`` (30; quick 5),
-``before`` (the commit of the former wrapper).
+``before`` (the commit of the former wrapper), ``priority`` (the loader's ``thread_priority``,
+default ``adaptive``).
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ def _tokenize_like(i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 class ToyTextLoader:
     """A Prefetch-topped text loader with the adapter calls staging relies on."""
 
+    priority = "adaptive"
+    """The Prefetch's ``thread_priority`` (``--set priority=...``)."""
+
     def __init__(self) -> None:
         self.src = _Counter()
-        self.pipeline = Prefetch(
-            Map(self.src, _tokenize_like), PrefetchOptions(queue_size=8), name="text-prefetch"
-        )
+        opts = PrefetchOptions(queue_size=8, thread_priority=self.priority)  # type: ignore[arg-type]
+        self.pipeline = Prefetch(Map(self.src, _tokenize_like), opts, name="text-prefetch")
         self.state_dict_calls = 0
 
     def __iter__(self) -> ToyTextLoader:
@@ -188,6 +191,7 @@ def run(args: BenchArgs) -> list[Row]:
     steps = int(args.extra.get("steps", 30 if q else 300))
     warmup = int(args.extra.get("warmup", 5 if q else 30))
     before = load_before(args.extra.get("before", BEFORE))
+    ToyTextLoader.priority = args.extra.get("priority", "adaptive")
     step_s = 2.0 * _capacity_s(20 if q else 60)
 
     configs: dict[str, Any] = {

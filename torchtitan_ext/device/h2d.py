@@ -138,11 +138,13 @@ class _Stats:
                 out["staging/snapshot_ms_mean"] = 1e3 * self.snapshot_s / max(self.snapshots, 1)
         return out
 
-    def consumer_waited(self, w: float) -> None:
+    def consumer_waited(self, w: float, got_batch: bool) -> None:
         with self.lock:
             self.wait_s += w
-            self.wait_max_s = max(self.wait_max_s, w)
+            if w > self.wait_max_s:
+                self.wait_max_s = w
             self.waits.append(w)
+            self.batches += got_batch
 
 
 class _Copier:

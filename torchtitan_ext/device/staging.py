@@ -299,8 +299,10 @@ class AsyncDeviceLoader(Stage[Any]):
         pf = self._hand_off()
         self._release_held(self.hold - 1 if self.device_buffers == "pool" else 0)
         t0 = time.perf_counter()
+        got = False
         try:
             item = pf.next()
+            got = True
         except StopIteration:
             self._release_held(0)
             raise
@@ -308,11 +310,8 @@ class AsyncDeviceLoader(Stage[Any]):
             self._failed = e
             raise
         finally:
-            self._stats.consumer_waited(time.perf_counter() - t0)
-        batch = self._take(item) if isinstance(item, _Staged) else item
-        with self._stats.lock:
-            self._stats.batches += 1
-        return batch
+            self._stats.consumer_waited(time.perf_counter() - t0, got)
+        return self._take(item) if isinstance(item, _Staged) else item
 
     def state(self) -> State:
         """Own hand-off: the wrapped loader's state right after the last batch handed out (a
