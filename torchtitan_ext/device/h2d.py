@@ -92,7 +92,8 @@ class _Staged:
 
 
 class _Stats:
-    """Counters written by the copy (in the thread) and the consumer; read by ``get_stats``."""
+    """Counters written by the copy (in the thread, under ``lock``) and by the consumer (its
+    own fields, without); read by ``get_stats``."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -139,12 +140,13 @@ class _Stats:
         return out
 
     def consumer_waited(self, w: float, got_batch: bool) -> None:
-        with self.lock:
-            self.wait_s += w
-            if w > self.wait_max_s:
-                self.wait_max_s = w
-            self.waits.append(w)
-            self.batches += got_batch
+        # No lock: only the consumer writes these (each store is atomic under the GIL), and
+        # this runs on every next() of the training loop.
+        self.wait_s += w
+        if w > self.wait_max_s:
+            self.wait_max_s = w
+        self.waits.append(w)
+        self.batches += got_batch
 
 
 class _Copier:

@@ -296,8 +296,9 @@ class AsyncDeviceLoader(Stage[Any]):
                 "AsyncDeviceLoader stopped after an error in its background thread; "
                 "call iter() or load_state_dict() to restart"
             ) from self._failed
-        pf = self._hand_off()
-        self._release_held(self.hold - 1 if self.device_buffers == "pool" else 0)
+        pf = self._pf if self._pf is not None else self._hand_off()
+        if self._held:
+            self._release_held(self.hold - 1)  # only pool mode holds slots
         t0 = time.perf_counter()
         got = False
         try:
