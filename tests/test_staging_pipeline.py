@@ -319,3 +319,20 @@ def test_own_hand_off_is_one_thread_and_one_snapshot_per_batch(opts):
     assert w.state_dict() == {"i": 5} and ld.state_dict_calls == ld.i + 1
     w.close()
     assert not (_threads() - before)
+
+
+@pytest.mark.slow
+def test_text_staging_benchmark_quick_smoke():
+    """The benchmark's counts (not its timings): fused staging adds no thread to the loader's
+    and takes one snapshot per batch; the former wrapper (when the history is there) two."""
+    from benchmarks.common import BenchArgs
+    from benchmarks.text_staging import run
+
+    rows = {r.case: r for r in run(BenchArgs(repeats=1, warmup=0, quick=True))}
+    alone = rows["threads added: loader alone"].value
+    for name in ("fused, auto", "fused, staged"):
+        assert rows[f"threads added: {name}"].value == alone
+        assert round(rows[f"snapshots per batch: {name}"].value, 1) == 1.0
+    if "threads added: before, staged" in rows:
+        assert rows["threads added: before, staged"].value == alone + 2
+        assert round(rows["snapshots per batch: before, staged"].value, 1) == 2.0
