@@ -116,7 +116,9 @@ class StagingSection:
     background prefetcher without."""
 
     num_buffers: int = 2
-    """Device buffers in flight (2 = double buffering)."""
+    """Batches staged ahead (2 = double buffering) by the wrapper's own background thread. A
+    loader that prefetches in a pipeline stage of its own is staged in that stage's thread
+    instead, and its ``[dataloader] queue_size`` is the depth."""
 
 
 class ExtTrainer(Trainer):

@@ -29,10 +29,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QWEN3_VL_MEAN", "QWEN3_VL_STD", "normalize_pixels", "normalized_shape"]
+__all__ = [
+    "QWEN3_VL_MEAN",
+    "QWEN3_VL_STD",
+    "PixelNormalize",
+    "normalize_pixels",
+    "normalized_shape",
+]
 
 QWEN3_VL_MEAN: tuple[float, float, float] = (0.5, 0.5, 0.5)
 """Qwen3-VL's image mean (its processor config); Qwen2-VL used the CLIP mean instead."""
@@ -130,3 +137,35 @@ def normalize_pixels(
     if t > input_temporal:
         o[:, :, input_temporal:, :].copy_(first.expand(-1, c, t - input_temporal, k))
     return out
+
+
+@dataclass(frozen=True)
+class PixelNormalize:
+    """Which uint8 tensors to normalise right after the copy, and how."""
+
+    keys: tuple[str, ...] = ("pixel_values",)
+    """Dict keys (at any nesting depth) whose uint8 tensors are normalised; other dtypes pass
+    through unchanged (counted in stats as ``staging/normalize_passthrough``)."""
+    mean: tuple[float, ...] = QWEN3_VL_MEAN
+    """Per-channel mean (Qwen3-VL: 0.5)."""
+    std: tuple[float, ...] = QWEN3_VL_STD
+    """Per-channel std (Qwen3-VL: 0.5)."""
+    temporal_patch_size: int = 2
+    """Frames per output row; stored rows with ``input_temporal=1`` are expanded per channel."""
+    input_temporal: int = 1
+    """Frames per stored uint8 row (1: [N, 768] for P=16; equal to temporal_patch_size: none)."""
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return normalize_pixels(
+            x,
+            self.mean,
+            self.std,
+            self.temporal_patch_size,
+            input_temporal=self.input_temporal,
+            out=out,
+        )
+
+    def out_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        return normalized_shape(
+            shape, len(self.mean), self.temporal_patch_size, self.input_temporal
+        )

@@ -1,80 +1,67 @@
 """AsyncDeviceLoader: overlap batch loading and the host-to-device copy with the training step.
 
-Algorithm (torch-async's decoupled pipeline, with threads instead of processes):
+A stage on the one pipeline contract (:mod:`torchtitan_ext.pipeline.stage`: ``next``, ``state``,
+``reset``, ``close``) whose background work is the one hand-off,
+:class:`~torchtitan_ext.pipeline.prefetch.Prefetch`. Two arrangements, picked by the loader:
 
-* **fetch thread** pulls ``next(iterator)`` from the wrapped loader, snapshots the wrapped
-  loader's ``state_dict()`` right after the pull (so the snapshot travels with its batch) and puts
-  the pair on a bounded queue.
-* **stage thread** (CUDA, or ``mode="staged"``) flattens the batch (nested dicts / lists /
-  tuples; non-tensor leaves pass through untouched), picks a *buffer slot* keyed by the batch's
-  shape signature from a pool (a free queue per shape; bucketed shapes reuse their slots, a new
-  shape allocates, least-recently-used shapes are evicted past ``max_signatures``), copies each
-  tensor into the slot's pinned host buffer (skipped when the source is already pinned), issues
-  ``non_blocking`` copies into device memory on a dedicated copy stream, normalises uint8
-  ``pixel_values`` there (:func:`~torchtitan_ext.device.normalize.normalize_pixels`), records a
-  CUDA event and puts the batch on the *ready* queue.
-* **consumer** (``__next__``) takes the next ready batch, makes its *current* stream wait on the
-  copy event (a GPU-side wait, the CPU never blocks) and returns the same structure as the
-  wrapped loader.
+=============  =====================================  ======================================
+               **fused** (loader topped by Prefetch)  **own hand-off** (any other loader)
+=============  =====================================  ======================================
+who            the loader, or its torchtitan adapter, a VL ``DataLoader``, any torchtitan
+               exposes a ``Prefetch`` as              ``BaseDataLoader``, a list ...
+               ``.pipeline`` (or *is* one)
+threads added  none: the copy is installed as that    one: ``Prefetch(LoaderStage(loader))``
+               Prefetch's ``then`` and runs in its    (:mod:`~torchtitan_ext.device.source`)
+               thread, after its state snapshot       with the copy as ``then``
+snapshots      one per batch, the Prefetch's (the     one per batch: ``deepcopy(loader.
+               loader's own)                          state_dict())`` in the thread
+depth          the loader's ``queue_size`` (its       ``num_buffers``
+               queue holds batches already staged)
+state          ``state()`` is the Prefetch's;         ``state()`` is the snapshot of the
+               ``state_dict``, ``load_state_dict``    last batch handed out;
+               are the wrapped loader's               ``state_dict()`` a copy of it
+=============  =====================================  ======================================
 
-Buffer lifetime (a buffer is never refilled while the consumer may still read it):
+The fused convention: a loader exposing ``.pipeline`` promises that its batches are
+``pipeline.next()``, that its ``state_dict()`` is made from ``pipeline.state()`` and that its
+``__iter__`` does no more than (possibly) reset the pipeline; the wrapper then takes batches
+from the Prefetch directly. Either way the state travels with its batch, so a resume replays
+exactly the batches that were in flight (made but not consumed).
 
-* ``device_buffers="allocator"`` (default): device tensors come from PyTorch's caching allocator
-  on the copy stream and are handed over with ``Tensor.record_stream(consumer_stream)``, so the
-  allocator reuses their memory only after the consumer's queued work on them has finished. No
-  contract for the caller: batches may be kept as long as wanted. After warm-up these
-  allocations are cache hits (microseconds).
-* ``device_buffers="pool"``: device tensors are pre-allocated per slot and reused. When the
-  consumer asks for a batch it records an event on its current stream; the slot handed out
-  ``hold`` requests earlier is released with that event and the copy stream waits on it before
-  overwriting the slot. Contract: a batch is valid until ``hold`` further batches have been
-  requested. torchtitan 0.3.0's ``train_step`` fetches all ``gradient_accumulation_steps x
-  pp_microbatches`` batches *before* running any of them, so ``hold`` must be at least that.
-* Pinned host buffers are always pooled; before a slot's host buffer is rewritten the stage
-  thread waits (CPU) for that slot's previous copy-done event.
+The copy, its buffer slots and their lifetime (``device_buffers="allocator"``: no contract;
+``"pool"``: a batch is valid until ``hold`` further batches were requested) are described in
+:mod:`~torchtitan_ext.device.h2d`. Device memory: at most ``depth + hold + 1`` staged batches
+exist at once (queued, held, being copied); in fused mode lower the loader's ``queue_size`` to
+bound it.
 
-Without CUDA (``device="cpu"``, ``mode="auto"``) there are no streams, pins or copies: it is a
-transparent prefetching wrapper (the fetch thread runs ahead by ``num_buffers`` batches and the
-very same tensor objects are returned). ``mode="staged"`` on CPU runs the full slot machinery
-with synchronous copies, which is how CI tests the pool logic.
+Without CUDA (``device="cpu"``, ``mode="auto"``) there are no copies: fused, the wrapper adds
+nothing (the very same batch objects); otherwise it is a prefetching wrapper. ``mode="staged"``
+on CPU runs the slot machinery with synchronous copies (how CI tests it).
 
-State: ``state_dict()`` returns the wrapped loader's state snapshotted right after the *last
-batch handed to the consumer* was pulled, so a resume replays exactly the batches that were in
-flight (prefetched but not consumed). Snapshot cost is one ``state_dict()`` + ``deepcopy`` per
-batch in the fetch thread (off the critical path); measured in the benchmark. Snapshots are
-taken only when the wrapped loader has ``state_dict`` (``snapshot_state=None``).
+Iteration follows ``torch.utils.data.DataLoader``: ``iter()`` starts a new pass (own hand-off:
+``iter(loader)`` again, dropping what was prefetched; fused: ``iter(loader)``, the loader
+decides); a finite loader ends with ``StopIteration`` (again on every later ``next()`` until
+``iter()``). An error of the loader or the copy is re-raised as the *same* exception object
+(:func:`torchtitan_ext.threads.relay`); the next ``next()`` then raises ``RuntimeError`` until
+``iter()`` / ``load_state_dict`` restarts. One consumer thread at a time. torchtitan 0.3.0
+needs its labels on the host: wrap with ``keep_on_host={(1,)}``. ``close()`` stops and joins
+the thread (fused: restores the Prefetch's previous ``then``, the loader stays usable), waiting
+up to 10 s for one stuck inside the loader's ``next()`` before logging where it is blocked.
 
-Iteration semantics follow ``torch.utils.data.DataLoader``: ``iter()`` starts a new pass
-(``iter(loader)`` on the wrapped loader) and discards whatever the previous pass had prefetched;
-a finite loader ends with ``StopIteration`` (again on every later ``next()`` until ``iter()``);
-``next()`` without ``iter()`` starts a pass. Errors raised by the wrapped loader or the copy are
-re-raised in the consumer as the *same* exception object (type preserved, e.g. for
-``DataloaderExhaustedError``; background traceback kept, with a note naming the thread); the
-next ``next()`` then raises ``RuntimeError`` until ``iter()``/``load_state_dict`` restarts.
-One consumer thread at a time. Only ``torch.Tensor`` leaves are staged; other leaves (ints,
-strings, numpy arrays) and leaves listed in ``keep_on_host`` pass through as the same objects.
-torchtitan 0.3.0 needs its labels on the host (``train_step`` accumulates
-``(labels != -100).sum()`` into a CPU tensor): wrap with ``keep_on_host={(1,)}``.
-Stopping is cooperative: ``close()`` waits up to 10 s for a fetch thread stuck inside the wrapped
-loader's ``next()``; past that the (daemon) thread is logged with where it is blocked and left to
-finish on its own (:func:`torchtitan_ext.threads.join`).
-
-Layout: this module is the public wrapper; :mod:`~torchtitan_ext.device.pipeline` holds the
-fetch and stage threads, :mod:`~torchtitan_ext.device.buffers` the slot pool and
-:mod:`~torchtitan_ext.device.nested` the batch flattening. Measured cost (wrapper overhead per
-batch, overlap of loading with the step, PCIe bytes of uint8 vs float pixels; the GPU target is a
-CUDA-only case): ``python -m benchmarks staging``, figures in ``benchmarks/RESULTS.md``.
+Measured: ``python -m benchmarks staging`` (wrapper overhead, overlap, PCIe bytes, GPU step) and
+``python -m benchmarks text_staging`` (fused vs the former two-thread wrapper: threads,
+snapshots, ``next()`` p50/p99); figures in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -82,49 +69,16 @@ import torch
 # re-exported: the pool is tested through this module
 from torchtitan_ext.device.buffers import _BufferPool as _BufferPool
 from torchtitan_ext.device.buffers import _Slot as _Slot
-from torchtitan_ext.device.normalize import (
-    QWEN3_VL_MEAN,
-    QWEN3_VL_STD,
-    normalize_pixels,
-    normalized_shape,
-)
-from torchtitan_ext.device.pipeline import _End, _Err, _Pipeline, _Stats
-from torchtitan_ext.threads import Stopped as _Stopped
-from torchtitan_ext.threads import relay
+from torchtitan_ext.device.h2d import _Copier, _CopySpec, _Staged, _Stats
+from torchtitan_ext.device.normalize import PixelNormalize as PixelNormalize
+from torchtitan_ext.device.source import LoaderStage
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
+from torchtitan_ext.pipeline.stage import Stage, State
 
 __all__ = ["AsyncDeviceLoader", "PixelNormalize", "wrap_for_device"]
 
-
-@dataclass(frozen=True)
-class PixelNormalize:
-    """Which uint8 tensors to normalise right after the copy, and how."""
-
-    keys: tuple[str, ...] = ("pixel_values",)
-    """Dict keys (at any nesting depth) whose uint8 tensors are normalised; other dtypes pass
-    through unchanged (counted in stats as ``staging/normalize_passthrough``)."""
-    mean: tuple[float, ...] = QWEN3_VL_MEAN
-    """Per-channel mean (Qwen3-VL: 0.5)."""
-    std: tuple[float, ...] = QWEN3_VL_STD
-    """Per-channel std (Qwen3-VL: 0.5)."""
-    temporal_patch_size: int = 2
-    """Frames per output row; stored rows with ``input_temporal=1`` are expanded per channel."""
-    input_temporal: int = 1
-    """Frames per stored uint8 row (1: [N, 768] for P=16; equal to temporal_patch_size: none)."""
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return normalize_pixels(
-            x,
-            self.mean,
-            self.std,
-            self.temporal_patch_size,
-            input_temporal=self.input_temporal,
-            out=out,
-        )
-
-    def out_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        return normalized_shape(
-            shape, len(self.mean), self.temporal_patch_size, self.input_temporal
-        )
+_JOIN_TIMEOUT_S = 10.0
+"""How long ``close()`` waits for the thread (one stuck in the loader's ``next()`` is left)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,33 +98,51 @@ def _close_all_at_exit() -> None:
             pass
 
 
-class AsyncDeviceLoader:
+def _prefetch_of(loader: Any) -> Prefetch | None:
+    """The Prefetch topping ``loader`` (fused mode): the loader itself or its ``.pipeline``."""
+    if isinstance(loader, Prefetch):
+        return loader
+    top = getattr(loader, "pipeline", None)
+    return top if isinstance(top, Prefetch) else None
+
+
+def _chain(prev: Callable[[Any], Any] | None, copier: _Copier) -> Callable[[Any], Any]:
+    """The copy after whatever ``then`` the loader's Prefetch already had."""
+    if prev is None:
+        return copier
+    return lambda item: copier(prev(item))
+
+
+class AsyncDeviceLoader(Stage[Any]):
     """Wrap any iterable of (nested) tensor batches; yield them staged on ``device``.
 
     Args:
         loader: an iterable yielding torchtitan ``(input_dict, labels)`` tuples, dicts, or any
-            nesting of dict/list/tuple with tensor (and non-tensor) leaves.
+            nesting of dict/list/tuple with tensor (and non-tensor) leaves. Topped by a
+            :class:`~torchtitan_ext.pipeline.prefetch.Prefetch` (itself one, or exposing one as
+            ``.pipeline``): fused mode, no thread of our own (see the module docstring).
         device: target device; ``"cuda"``/``"cuda:N"`` or ``"cpu"``.
-        num_buffers: prefetch depth (ready-queue size) and buffer slots per shape signature.
+        num_buffers: batches staged ahead by the wrapper's own hand-off (fused mode: the
+            loader's ``queue_size`` instead).
         normalize: a :class:`PixelNormalize` (or ``True`` for Qwen3-VL defaults) to normalise
             uint8 pixel tensors right after the copy; ``None`` leaves tensors untouched.
         mode: ``"auto"`` stages through pinned memory and a copy stream on CUDA and only
             prefetches on CPU; ``"staged"`` forces the slot machinery (CPU: synchronous copies);
-            ``"prefetch"`` never copies (the background thread only runs the loader).
+            ``"prefetch"`` never copies.
         device_buffers: ``"allocator"`` (record_stream, no lifetime contract) or ``"pool"``
             (pre-allocated, valid until ``hold`` more batches are requested). See module doc.
         hold: pool mode only: batches the consumer may hold at once (torchtitan: grad-accum
-            steps x PP microbatches). ``num_buffers`` is raised to ``hold + 1`` if smaller.
+            steps x PP microbatches).
         max_signatures: distinct shape signatures kept pooled (LRU beyond that).
-        snapshot_state: snapshot ``loader.state_dict()`` after each pull (``None``: iff the
-            loader has ``state_dict``). Needed for an exact ``state_dict()``.
+        snapshot_state: own hand-off: snapshot ``loader.state_dict()`` after each pull
+            (``None``: iff the loader has ``state_dict``). Needed for an exact ``state_dict()``.
         keep_on_host: paths of tensor leaves that are *not* copied (returned as they are), e.g.
             ``{(1,)}`` for the labels of a torchtitan ``(input_dict, labels)`` batch. A path is
             the tuple of dict keys / sequence indices from the batch root.
         device_transform: ``batch -> batch`` applied to each batch once it is on the device
-            (after ``normalize``), in the stage thread on the copy stream (prefetch mode: in
-            the fetch thread). E.g. the VL collate's ``finish_on_device`` (normalise and
-            re-zero pad rows). Must be thread-safe and must not synchronise with the consumer.
+            (after ``normalize``), in the background thread on the copy stream (no copy: on
+            the host). E.g. the VL collate's ``finish_on_device``. Must be thread-safe and must
+            not synchronise with the consumer.
     """
 
     def __init__(
@@ -212,8 +184,6 @@ class AsyncDeviceLoader:
         self.staged = mode == "staged" or (mode == "auto" and self.device.type == "cuda")
         self.device_buffers = device_buffers
         self.hold = hold
-        if self.staged and device_buffers == "pool":
-            num_buffers = max(num_buffers, hold + 1)  # else the stage thread would starve
         self.num_buffers = num_buffers
         self.max_signatures = max_signatures
         self.keep_on_host = frozenset(tuple(k) for k in keep_on_host)
@@ -223,165 +193,211 @@ class AsyncDeviceLoader:
         self._snapshot_enabled = has_state if snapshot_state is None else bool(snapshot_state)
         if self._snapshot_enabled and not has_state:
             raise TypeError(f"snapshot_state=True but {type(loader).__name__} has no state_dict()")
+        self._fused = _prefetch_of(loader)
+        depth = self._fused.queue_size if self._fused is not None else num_buffers
         self._stats = _Stats()
-        self._pipe: _Pipeline | None = None
-        self._state: Any = None
-        self._state_valid = False
-        self._finalizer: weakref.finalize | None = None
-        self._closed = False
-        _LIVE.add(self)
-
-    # -- iteration ---------------------------------------------------------------------------
-
-    def __iter__(self) -> AsyncDeviceLoader:
-        self._start()
-        return self
-
-    def _start(self) -> _Pipeline:
-        self._stop_pipe()
-        self._closed = False
-        start_state = copy.deepcopy(self.loader.state_dict()) if self._snapshot_enabled else None
-        it = iter(self.loader)
-        self._pipe = _Pipeline(self, it, start_state)
-        self._state, self._state_valid = start_state, True
-        # The finaliser references the pipeline only, so the wrapper can be collected and its
-        # threads stopped when the caller drops it without close().
-        self._finalizer = weakref.finalize(self, _Pipeline.close, self._pipe)
-        return self._pipe
-
-    def __next__(self) -> Any:
-        p = self._pipe
-        if p is None:
-            if self._closed:
-                raise RuntimeError("AsyncDeviceLoader is closed; call iter() to start a new pass")
-            p = self._start()
-        if p.failed is not None:
-            raise RuntimeError(
-                f"AsyncDeviceLoader stopped after an error in its {p.failed.where} thread; "
-                "call iter() or load_state_dict() to restart"
-            ) from p.failed.exc
-        if p.finished:
-            raise StopIteration
-        keep = self.hold - 1 if self.device_buffers == "pool" else 0
-        p.release_held(keep)
-        t0 = time.perf_counter()
-        try:
-            item = p.get(p.ready)
-        except _Stopped:
-            # close() ran concurrently (another thread or interpreter exit).
-            raise RuntimeError("AsyncDeviceLoader was closed while waiting for a batch") from None
-        w = time.perf_counter() - t0
-        st = self._stats
-        with st.lock:
-            st.wait_s += w
-            st.wait_max_s = max(st.wait_max_s, w)
-            st.waits.append(w)
-        if isinstance(item, _End):
-            p.finished = True
-            p.release_held(0)
-            self._state = item.state
-            self._stop_pipe(keep_finished=True)
-            raise StopIteration
-        if isinstance(item, _Err):
-            p.failed = item
-            self._stop_pipe(keep_finished=True)
-            raise relay(
-                item.exc,
-                f"AsyncDeviceLoader's background {item.where} thread",
-                "AsyncDeviceLoader.__next__",
+        self._copier: _Copier | None = None
+        if self.staged or self.normalize is not None or device_transform is not None:
+            spec = _CopySpec(
+                device=self.device,
+                staged=self.staged,
+                device_buffers=device_buffers,
+                per_signature=depth + hold + 1,  # all that can be in use: never waits
+                max_signatures=max_signatures,
+                normalize=self.normalize,
+                keep_on_host=self.keep_on_host,
+                transform=device_transform,
             )
+            self._copier = _Copier(spec, self._stats)
+        self._pf: Prefetch | None = self._fused  # the hand-off next() reads
+        self._prev_then: Callable[[Any], Any] | None = None
+        self._installed = False
+        self._held: collections.deque[_Staged] = collections.deque()
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._closed_state: tuple[State] | None = None  # own hand-off: the state at close()
+        _LIVE.add(self)
+        self._install()
+
+    @property
+    def fused(self) -> bool:
+        """Whether the copy runs in the wrapped loader's own Prefetch (no thread of ours)."""
+        return self._fused is not None
+
+    # -- the hand-off ----------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        """Fused: put the copy on the loader's Prefetch (stops its thread; exact, see set_then)."""
+        if self._fused is not None and self._copier is not None and not self._installed:
+            self._prev_then = self._fused.then
+            self._fused.set_then(_chain(self._prev_then, self._copier))
+            self._installed = True
+
+    def _hand_off(self) -> Prefetch:
+        if self._pf is None:
+            self._pf = Prefetch(
+                LoaderStage(self.loader, self._snapshot_enabled, self._stats),
+                # "normal": the loader may start processes or threads from this one (a
+                # DataLoader's workers at a new epoch), which would inherit an idle policy
+                PrefetchOptions(queue_size=self.num_buffers, thread_priority="normal"),
+                name="AsyncDeviceLoader",
+                then=self._copier,
+            )
+        return self._pf
+
+    def _restart(self) -> None:
+        """Forget an error / a close before a new pass or a load."""
+        self._failed = None
+        self._closed = False
+        self._closed_state = None
+        self._held.clear()  # slots of the previous pass: dropped with its pool
+        self._install()
+
+    def _release_held(self, keep: int) -> None:
+        """Give pool slots back so that at most ``keep`` stay held."""
+        ev = None
+        while len(self._held) > keep:
+            item = self._held.popleft()
+            if self.device.type == "cuda" and ev is None:
+                # Everything the consumer enqueued so far on its stream may read the buffers;
+                # the copy stream waits on this event before overwriting them.
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+            item.pool.release(item.slot, ev)  # type: ignore[union-attr]
+
+    def _take(self, item: _Staged) -> Any:
         if item.event is not None:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(item.event)
             for t in item.fresh:
                 t.record_stream(cur)  # allocator mode: no reuse before the consumer is done
         item.fresh = []
-        p.held.append(item)
-        self._state = item.state
-        with st.lock:
-            st.batches += 1
+        if item.slot is not None:
+            self._held.append(item)
         return item.batch
 
-    # -- state ---------------------------------------------------------------------------------
+    # -- the stage contract -----------------------------------------------------------------
+
+    def __iter__(self) -> AsyncDeviceLoader:
+        self._restart()
+        if self._fused is not None:
+            iter(self.loader)  # type: ignore[call-overload]  # the loader decides what a pass is
+        else:
+            pf = self._hand_off()
+            pf.reset(None)
+            pf.start()  # the first batches are made while the caller sets up, as a DataLoader
+        return self
+
+    def next(self) -> Any:
+        if self._closed:
+            raise RuntimeError("AsyncDeviceLoader is closed; call iter() to start a new pass")
+        if self._failed is not None:
+            raise RuntimeError(
+                "AsyncDeviceLoader stopped after an error in its background thread; "
+                "call iter() or load_state_dict() to restart"
+            ) from self._failed
+        pf = self._pf if self._pf is not None else self._hand_off()
+        if self._held:
+            self._release_held(self.hold - 1)  # only pool mode holds slots
+        t0 = time.perf_counter()
+        got = False
+        try:
+            item = pf.next()
+            got = True
+        except StopIteration:
+            self._release_held(0)
+            raise
+        except Exception as e:  # relayed by the Prefetch as the same object, with its note
+            self._failed = e
+            raise
+        finally:
+            self._stats.consumer_waited(time.perf_counter() - t0, got)
+        return self._take(item) if isinstance(item, _Staged) else item
+
+    def state(self) -> State:
+        """Own hand-off: the wrapped loader's state right after the last batch handed out (a
+        snapshot). Fused: the loader's Prefetch's state (the same, taken by that stage)."""
+        if self._closed_state is not None:
+            return self._closed_state[0]
+        return self._hand_off().state()
+
+    def reset(self, state: State | None = None) -> None:
+        self._restart()
+        self._hand_off().reset(state)
+
+    def stats(self, state: State) -> dict[str, Any]:
+        return self._pf.stats(state) if self._fused is not None else {}
+
+    def close(self) -> None:
+        """Stop and join the background thread and drop prefetched batches. Idempotent.
+        Fused: the loader's Prefetch gets its previous ``then`` back and stays usable."""
+        self._held.clear()  # slots are dropped with the pool; no consumer reads after close
+        if self._fused is not None:
+            # stops the thread that ran our copy (or fed us); the loader restarts it later
+            # from the state of the last batch it returned
+            self._fused.set_then(self._prev_then if self._installed else self._fused.then)
+            self._installed = False
+        elif self._pf is not None:
+            self._closed_state = (self._pf.state(),)
+            self._pf.close(_JOIN_TIMEOUT_S)
+            self._pf = None
+        self._closed = True
+
+    # -- torchtitan's calls ------------------------------------------------------------------
+
+    def __next__(self) -> Any:
+        return self.next()
 
     def state_dict(self) -> dict[str, Any]:
-        """Wrapped loader's state as of the last batch handed out (in-flight batches replay)."""
+        """The wrapped loader's state as of the last batch handed out (in-flight batches are
+        made again after a resume). Fused: the loader's own ``state_dict()``."""
         if not self._snapshot_enabled:
             raise RuntimeError(
                 f"state_dict(): {type(self.loader).__name__} has no state_dict() "
                 "(or snapshot_state=False), so in-flight batches cannot be accounted for"
             )
-        if not self._state_valid:
-            return copy.deepcopy(self.loader.state_dict())  # nothing started yet
-        return copy.deepcopy(self._state)
+        if self._fused is not None:
+            return self.loader.state_dict()  # type: ignore[attr-defined]
+        return copy.deepcopy(self.state())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Stop the pipeline (dropping prefetched batches), forward, restart on next iteration."""
-        self._stop_pipe()
-        fn = getattr(self.loader, "load_state_dict", None)
-        if not callable(fn):
+        """Drop prefetched batches and resume the wrapped loader at ``state_dict``."""
+        if not callable(getattr(self.loader, "load_state_dict", None)):
             raise TypeError(f"{type(self.loader).__name__} has no load_state_dict()")
-        fn(state_dict)
-        self._state_valid = False
+        self._restart()
+        if self._fused is not None:
+            self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
+        else:
+            self._hand_off().reset(state_dict)
 
-    # -- stats / lifecycle ---------------------------------------------------------------------
+    def rank_state(self) -> State:
+        """Fused: the wrapped loader's ``rank_state()`` (this DP rank's state for the one
+        checkpoint envelope). The own hand-off has only ``state_dict()``."""
+        if self._fused is None:
+            raise TypeError(
+                f"rank_state(): {type(self.loader).__name__} is not topped by a Prefetch; "
+                "use state_dict()"
+            )
+        return self.loader.rank_state()  # type: ignore[attr-defined]
 
     def get_stats(self) -> dict[str, Any]:
         """Wrapped loader's ``get_stats()`` (if any) plus ``staging/*`` keys."""
         inner = getattr(self.loader, "get_stats", None)
         out: dict[str, Any] = dict(inner()) if callable(inner) else {}
-        st = self._stats
-        with st.lock:
-            n = max(st.batches, 1)
-            waits = sorted(st.waits)
-            out.update(
-                {
-                    "staging/batches": st.batches,
-                    "staging/consumer_wait_ms_mean": 1e3 * st.wait_s / n,
-                    "staging/consumer_wait_ms_p99": 1e3 * waits[int(0.99 * (len(waits) - 1))]
-                    if waits
-                    else 0.0,
-                    "staging/consumer_wait_ms_max": 1e3 * st.wait_max_s,
-                    "staging/fetch_ms_mean": 1e3 * st.fetch_s / n,
-                    "staging/snapshot_ms_mean": 1e3 * st.snapshot_s / n,
-                    "staging/copy_ms_mean": 1e3 * st.copy_s / n,
-                    "staging/h2d_bytes": st.h2d_bytes,
-                    "staging/normalized": st.normalized,
-                    "staging/normalize_passthrough": st.normalize_passthrough,
-                    "staging/already_pinned": st.already_pinned,
-                }
-            )
-        p = self._pipe
-        out["staging/queue_depth"] = p.ready.qsize() if p is not None else 0
-        if p is not None:
-            out.update(p.pool.stats())
+        out.update(self._stats.as_dict(own_hand_off=self._fused is None))
+        w = self._pf.worker if self._pf is not None else None
+        out["staging/queue_depth"] = w.q.qsize() if w is not None else 0
+        if self._copier is not None and self._copier.pool is not None:
+            out.update(self._copier.pool.stats())
         return out
 
-    def _stop_pipe(self, keep_finished: bool = False) -> None:
-        p = self._pipe
-        if p is None:
-            return
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        p.close()
-        if not keep_finished:
-            self._pipe = None
-
-    def close(self) -> None:
-        """Stop the background threads and drop prefetched batches. Idempotent."""
-        self._stop_pipe()
-        self._closed = True
-
     def threads_alive(self) -> list[threading.Thread]:
-        """Background threads still running (for tests and leak checks)."""
-        return self._pipe.alive_threads() if self._pipe is not None else []
+        """The background thread feeding us, while it runs (fused: the loader's Prefetch's)."""
+        w = self._pf.worker if self._pf is not None else None
+        return [w.thread] if w is not None and w.thread.is_alive() else []
 
     def __enter__(self) -> AsyncDeviceLoader:
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
@@ -400,7 +416,8 @@ def wrap_for_device(
 
     For torchtitan 0.3.0's trainer pass ``keep_on_host={(1,)}`` (its ``train_step`` sums the
     labels into a CPU tensor before moving them) and, for VL batches built with uint8 pixels,
-    ``normalize=True`` or ``device_transform=`` the collate's on-device finisher.
+    ``normalize=True`` or ``device_transform=`` the collate's on-device finisher. A loader topped
+    by a Prefetch (``.pipeline``) is staged in that stage's thread (fused mode).
     """
     if not enabled:
         return loader

@@ -54,8 +54,8 @@ wrapped as :class:`~torchtitan_ext.pipeline.grain_adapter.ToGrain` under Grain's
 Other duties, each in one place:
 
 * **Then** — an optional ``then(item)`` runs in the thread after the snapshot: device staging
-  over a prefetching stage passes its host-to-device copy here, so it needs no thread, queue or
-  snapshot of its own.
+  over a prefetching stage passes its host-to-device copy here (:meth:`Prefetch.set_then` on a
+  built stage), so it needs no thread, queue or snapshot of its own.
 * **Errors** — an exception in the thread is re-raised by ``next()`` as the *same* object
   (:func:`torchtitan_ext.threads.relay`); the stage's state becomes the upstream's
   ``state_after_error()`` where it defines one (the counts up to the error), else stays.
@@ -238,6 +238,22 @@ class Prefetch(Stage[Any]):
 
     def _stop(self) -> None:
         _shutdown(self._ref)
+
+    def start(self) -> None:
+        """Start the thread now rather than at the first ``next()`` (a wrapper whose ``iter()``
+        begins a pass gets its first items made while the caller still sets up)."""
+        if not self._done:
+            self._worker()
+
+    def set_then(self, then: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+        """Install ``then`` (applied to each item in the thread, after its state was taken) on an
+        existing stage and return the previous one: device staging puts its host-to-device copy
+        on a loader's Prefetch this way. A running thread is stopped first; the items it had
+        made ahead are dropped and made again, through ``then``, from the state of the last
+        item returned, so the stream stays exact."""
+        self._stop()
+        prev, self.then = self.then, then
+        return prev
 
     @property
     def worker(self) -> _Worker | None:
