@@ -115,13 +115,13 @@ class ToyJsonlLoader:
                  seq_len: int = 16, batch: int = 2, options: PrefetchOptions | None = None):  # fmt: skip
         self.rank, self.world = dp_rank, dp_world_size
         src = JsonlSource(files, dp_rank, dp_world_size, infinite)
-        self.pipe = Prefetch(PackRows(src, seq_len, batch), options, name=self.name)
+        self.pipeline = Prefetch(PackRows(src, seq_len, batch), options, name=self.name)
 
     def __iter__(self) -> Prefetch:
-        return self.pipe
+        return self.pipeline
 
     def rank_state(self) -> State:
-        return self.pipe.state()
+        return self.pipeline.state()
 
     def state_dict(self) -> dict[str, Any]:
         ranks = checkpoint.gather(self.rank_state(), self.rank, self.world)
@@ -130,14 +130,14 @@ class ToyJsonlLoader:
     def load_state_dict(self, value: dict[str, Any]) -> None:
         old = checkpoint.open_envelope(value, self.name, self.world)
         if len(old) == self.world:
-            return self.pipe.reset(old[self.rank])
+            return self.pipeline.reset(old[self.rank])
         src = old[0]["source"]  # a new degree: one more phase, the old buffers dealt again
         phases = [*src["phases"], [r["source"]["at"] for r in old]]
         held = redeal([r["held"] for r in old], self.world)[self.rank]
-        self.pipe.reset({"source": {**src, "phases": phases, "at": [0, 0]}, "held": held})
+        self.pipeline.reset({"source": {**src, "phases": phases, "at": [0, 0]}, "held": held})
 
     def get_stats(self) -> dict[str, Any]:
-        return self.pipe.get_stats()
+        return self.pipeline.get_stats()
 
     def close(self) -> None:
-        self.pipe.close()
+        self.pipeline.close()
