@@ -220,19 +220,23 @@ def test_held_out_files_are_named_with_their_rule(tmp_path, docs):
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def fake_checkpoint(dump: Path, step: int, ranks: int = 1, record: dict | None = None) -> Path:
-    """A DCP checkpoint whose data-loader state is keyed per rank, like our text loaders'."""
+def fake_checkpoint(
+    dump: Path, step: int, ranks: int = 1, record: dict | None = None, legacy: bool = False
+) -> Path:
+    """A DCP checkpoint with a data-loader state: the one envelope our loaders save (resumable
+    at any DP degree), or with ``legacy`` one keyed per rank (torchtitan's own loaders, and ours
+    before the envelope)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from torchtitan_ext.pipeline import checkpoint
+
     d = dump / "checkpoint" / f"step-{step}"
-    state = {
-        "dataloader": {
-            **{f"dp_rank_{r}": {"seq_len": 256} for r in range(ranks)},
-            "world_size": ranks,
-        },
-        "train_state": {"step": torch.tensor(step)},
-    }
+    if legacy:
+        loader = {**{f"dp_rank_{r}": {"seq_len": 256} for r in range(ranks)}, "world_size": ranks}
+    else:
+        loader = checkpoint.envelope("parquet_prefetch", [{"seq_len": 256}] * ranks)
+    state = {"dataloader": loader, "train_state": {"step": torch.tensor(step)}}
     dcp.save(state, checkpoint_id=str(d), no_dist=True)
     if record is not None:
         (d / RECORD).write_text(json.dumps(record))
@@ -242,21 +246,39 @@ def fake_checkpoint(dump: Path, step: int, ranks: int = 1, record: dict | None =
 RECORD_NOW = {"loader": "parquet_prefetch", "dp_degree": 1, "seq_len": 256, "local_batch_size": 4}
 
 
-def test_checkpoint_of_another_dp_degree(launch, tmp_path):
-    fake_checkpoint(tmp_path, 10, ranks=1)
+def test_our_loaders_resume_at_another_dp_degree(launch, tmp_path):
+    """Their one envelope resumes at any degree: preflight lets DP 1 -> 2 through."""
+    fake_checkpoint(tmp_path, 10, ranks=1, record=RECORD_NOW)
+    rc, err, built = launch(job("--dump_folder", str(tmp_path)), world_size=2)
+    assert rc == 0 and len(built) == 1, err
+
+
+def test_per_rank_state_of_an_earlier_release_is_named(launch, tmp_path):
+    fake_checkpoint(tmp_path, 10, ranks=1, legacy=True)
     assert_config_error(
-        launch(job("--dump_folder", str(tmp_path)), world_size=2),
-        "data-parallel degree 1 (this job: 2)",
+        launch(job("--dump_folder", str(tmp_path))),
+        "parquet_prefetch's data-loader state in an earlier release's per-rank format",
         "--dump_folder",
-        "make clean-demo",
         "--checkpoint.exclude_from_loading dataloader",
     )
     # the documented way out: keep the model, restart the data
     rc, err, built = launch(
-        job("--dump_folder", str(tmp_path), "--checkpoint.exclude_from_loading", "dataloader"),
-        world_size=2,
+        job("--dump_folder", str(tmp_path), "--checkpoint.exclude_from_loading", "dataloader")
     )
     assert rc == 0 and len(built) == 1, err
+
+
+def test_a_per_rank_loader_is_held_to_its_dp_degree(launch, tmp_path, monkeypatch):
+    """A loader keyed per rank (torchtitan's own, a third party's) cannot change degree: DCP
+    would fail after the build on the missing rank's key. (Ours stand in for one here.)"""
+    monkeypatch.setattr("torchtitan_ext.preflight.checkpoint.ENVELOPE_LOADERS", frozenset())
+    fake_checkpoint(tmp_path, 10, ranks=1, legacy=True)
+    assert_config_error(
+        launch(job("--dump_folder", str(tmp_path)), world_size=2),
+        "data-parallel degree 1 (this job: 2)",
+        "make clean-demo",
+        "--checkpoint.exclude_from_loading dataloader",
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,11 @@ with a raw ValueError — all after the model was built. And a job that already 
 
 What a checkpoint was saved with comes from a small record ``ExtTrainer`` writes next to each
 save (:data:`RECORD`: loader, data-parallel degree, seq_len, local batch size; and the model,
-:func:`model_record`, for ``torchtitan-ext-export``), and, for a
-checkpoint without one, from the DCP metadata (the number of ``dataloader.dp_rank_*`` keys).
-A loader whose state is not keyed by rank (``cached_vl``: one "global" state) resumes at any
-data-parallel degree, so only the others are held to it.
+:func:`model_record`, for ``torchtitan-ext-export``), and from the DCP metadata's loader keys.
+This package's loaders save one checkpoint envelope (:mod:`torchtitan_ext.pipeline.checkpoint`)
+that resumes at any data-parallel degree, so only other loaders (keyed per rank, like
+torchtitan's own) are held to the degree; a checkpoint of ours still keyed per rank was written
+by an earlier release, whose loader state this one cannot continue: said before the build.
 
 The fix offered is always the same three ways out: another ``--dump_folder``, deleting the old
 one (``make clean-demo`` for the demo), or keeping the model and optimizer while the data starts
@@ -33,6 +34,8 @@ from torchtitan_ext.toml_config import ConfigError
 RECORD = "torchtitan_ext_job.json"
 _STEP = re.compile(r"step-(\d+)$")
 _RANK_KEY = re.compile(r"^dataloader\.dp_rank_(\d+)(\.|$)")
+ENVELOPE_LOADERS = frozenset(("parquet_prefetch", "streaming_text", "cached_vl"))
+"""This package's loaders: their state is the one envelope, resumable at any DP degree."""
 
 
 def job_record(config: Any, dp_degree: int) -> dict[str, Any]:
@@ -101,17 +104,22 @@ def _metadata_ranks(job: Job, step_dir: Path) -> int | None:
     """Data-parallel degree from the DCP metadata's per-rank loader keys (None: not keyed, or
     not a DCP checkpoint: an HF-format one has no ``.metadata``). A ``.metadata`` that cannot
     be read is a damaged checkpoint, named before torchtitan fails on it after the model build."""
+    keys = _metadata_keys(job, step_dir)
+    ranks = {int(m.group(1)) for k in keys if (m := _RANK_KEY.match(k))}
+    return len(ranks) or None
+
+
+def _metadata_keys(job: Job, step_dir: Path) -> set[str]:
     meta = step_dir / ".metadata"
     if not meta.is_file():
-        return None
+        return set()
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
         keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     except Exception as e:  # damaged: named, with the ways out
         raise _damaged(job, meta, e) from e
-    ranks = {int(m.group(1)) for k in keys if (m := _RANK_KEY.match(k))}
-    return len(ranks) or None
+    return set(keys)
 
 
 def check_checkpoint(job: Job) -> None:
@@ -189,7 +197,14 @@ def _check_data_state(job: Job, step_dir: Path) -> None:
     diffs = []
     if saved.get("loader", now["loader"]) != now["loader"]:
         diffs.append(f"loader {saved['loader']!r} (this job: {now['loader']!r})")
-    if ranks is not None and ranks != now["dp_degree"]:
+    if now["loader"] in ENVELOPE_LOADERS and saved.get("loader", now["loader"]) == now["loader"]:
+        if ranks is not None:
+            raise ConfigError(
+                f"{job.file}: the checkpoint this job would resume from, {step_dir}, holds "
+                f"{now['loader']}'s data-loader state in an earlier release's per-rank format, "
+                f"which this release cannot continue. {_WAYS_OUT}"
+            )
+    elif ranks is not None and ranks != now["dp_degree"]:
         diffs.append(f"data-parallel degree {ranks} (this job: {now['dp_degree']})")
     for key in ("seq_len", "local_batch_size"):
         if saved.get(key, now[key]) != now[key]:
