@@ -67,8 +67,8 @@ def packer_to_json(packer: ConcatSplitPacker) -> dict[str, Any]:
     return {
         "kind": int(p["kind"]),
         "row_len": int(p["row_len"]),
-        "lengths": [int(x) for x in p["lengths"]],
-        "tokens": [int(x) for x in p["tokens"]],
+        "lengths": np.asarray(p["lengths"]).tolist(),
+        "tokens": np.asarray(p["tokens"]).tolist(),
         "counters": {k: int(v) for k, v in p["counters"].items()},
     }
 
