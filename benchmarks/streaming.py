@@ -86,7 +86,7 @@ def _resume(corpus, tok, seq_len, batch, k):
         dl2.load_state_dict(state)
         next(iter(dl2))
         return {"s": time.perf_counter() - t0,
-                "consumed": state["dp_rank_0"]["dataset_state"]["consumed"]}  # fmt: skip
+                "consumed": state["global"]["ranks"][0]["workers"][0]["consumed"]}  # fmt: skip
 
     return go
 

@@ -58,16 +58,19 @@ def test_state_dict_is_pickle_free_and_resumes(corpus, tokenizer, num_workers): 
     dl = build(cfg, rank=1, world=2)
     it = iter(dl)
     take(it, 12)
+    dl.dp_world_size = 1  # one process: save this rank's state alone (no gather)
     state = dl.state_dict()
-    assert set(state) == {"dp_rank_1", "world_size"} and state["world_size"] == 2
+    dl.dp_world_size = 2
+    assert set(state) == {"global"} and state["global"]["loader"] == "streaming_text"
     state = json.loads(json.dumps(state))  # no pickle, no bytes
+    state["global"]["dp_world_size"] = 2  # as two ranks would have saved it: rank 0's state,
+    state["global"]["ranks"].insert(0, build(cfg, rank=0, world=2).rank_state())  # unread
     dl2 = build(cfg, rank=1, world=2)
     dl2.load_state_dict(state)
     assert same(take(iter(dl2), 18), ref[12:])
     stats = dl2.get_stats()
     assert stats["epoch"] == 0 and stats["skipped"] == 0 and stats["docs_used"] > 0
-    with pytest.raises(ValueError, match="dp_world_size=2"):
-        build(cfg, rank=1, world=3).load_state_dict(state)
+    build(cfg, rank=1, world=3).load_state_dict(state)  # another degree: re-dealt
     build(cfg).load_state_dict({})  # an empty state is a fresh start
 
 
@@ -94,13 +97,13 @@ def test_example_train_config_has_eval_offset(tmp_path, monkeypatch):
     ev_cfg = dataclasses.replace(ev, infinite=True)
     kw = {"tokenizer": cfg.hf_assets_path, "seq_len": 64, "local_batch_size": 2}
     ev_dl = ev_cfg.build(dp_rank=0, dp_world_size=1, **kw)
-    ds = ev_dl.streaming_dataset
-    assert ds.num_documents() == 300
-    assert ds._doc_id(ds._source.pieces[0].shard, ds._source.pieces[0].lo) == 1000
+    assert ev_dl.num_documents() == 300
+    first = ev_dl.source.pieces[0]
+    assert ev_dl.source.doc_id(first.shard, first.lo) == 1000
     x, _ = next(iter(ev_dl))
     tr_cfg = dataclasses.replace(train, num_workers=0)
     tr = tr_cfg.build(dp_rank=0, dp_world_size=1, **kw)
-    assert tr.streaming_dataset.num_documents() == 1000
+    assert tr.num_documents() == 1000
     assert not torch.equal(x["input"], next(iter(tr))[0]["input"])
 
 
