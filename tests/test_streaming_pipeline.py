@@ -154,3 +154,40 @@ def test_batches_per_iter_continues_the_stream(corpus, tokenizer):  # noqa: F811
         torch.equal(a[0]["input"], b[0]["input"])
         for a, b in zip([b for p in parts for b in p], whole, strict=True)
     )
+
+
+class _Held:
+    """A Stateful holding a checkpoint value (what torchtitan's checkpointer hands DCP)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, value):
+        self.value = value
+
+
+def test_dcp_round_trip_at_another_degree(corpus, tokenizer, tmp_path):  # noqa: F811
+    """torch.distributed.checkpoint builds its load request from the *loading* side's state: the
+    saved ranks must come back whole when that side has another DP degree (or fewer keys)."""
+    import torch.distributed.checkpoint as dcp
+
+    src, _ = corpus
+    sp = spec(src, tokenizer, 0)
+    two = [sp.build(r, 2, False) for r in range(2)]
+    for ld in two:
+        resume.take(ld, 5)
+    saved = resume.save(sp, two)
+    dcp.save({"dataloader": _Held(saved)}, checkpoint_id=str(tmp_path / "ckpt"))
+    three = [sp.build(r, 3, False) for r in range(3)]
+    held = _Held(resume.save(sp, three))  # the template DCP loads into
+    dcp.load({"dataloader": held}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert held.value["global"]["dp_world_size"] == 2
+    for ld in three:
+        ld.load_state_dict(held.value)
+    first = [next(iter(ld))[0]["doc_ids"] for ld in three]
+    for ld in two + three:
+        ld.close()
+    assert all(int(f.max()) >= 0 for f in first)

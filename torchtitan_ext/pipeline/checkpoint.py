@@ -7,7 +7,7 @@ A loader's checkpoint value (what its ``state_dict()`` returns to torchtitan) is
         "loader": "parquet_prefetch",        # who wrote it (a different loader is refused)
         "dp_world_size": 2,                  # DP ranks that wrote it
         "resumable_at": "any",               # "any" DP degree, or "same" (this one only)
-        "ranks": [<rank 0 state>, <rank 1 state>],   # encoded stage states, by DP rank
+        "ranks": (<rank 0 state>, <rank 1 state>),   # encoded stage states, by DP rank
     }}
 
 Why one envelope under one key, identical on every rank: torchtitan's checkpointer hands the
@@ -91,7 +91,13 @@ def envelope(loader: str, rank_states: Sequence[Any], resumable_at: str = "any")
             "loader": loader,
             "dp_world_size": len(rank_states),
             "resumable_at": resumable_at,
-            "ranks": [encode(s, f"{loader}.ranks[{i}]") for i, s in enumerate(rank_states)],
+            # A tuple: torch.distributed.checkpoint keeps it as ONE leaf. A list of dicts it
+            # flattens key by key, and a load then asks only for the keys of the loading side's
+            # own state: another DP degree fails ("Missing key ...ranks.1..."), and keys the
+            # fresh state lacks (a skip reason, an elastic history entry) are silently dropped.
+            "ranks": tuple(
+                encode(s, f"{loader}.ranks[{i}]") for i, s in enumerate(rank_states)
+            ),
         }
     }
 
