@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +171,7 @@ def test_tokens_of_each_document_appear_once_per_epoch(corpus, tokenizer):
                 if st["epoch"] >= 1 and not any(t[1] == 0 for t in st["track"]):
                     break
             rows.append(next(it))
-            for (x, _), (nx, _) in zip(rows, rows[1:]):
+            for (x, _), (nx, _) in pairwise(rows):
                 ids, eps = x["doc_ids"].tolist(), x["doc_epochs"].tolist()
                 seen.update(i for i, e in zip(ids, eps, strict=True) if e == 0)
                 if nx["doc_offsets"][0] > 0:

@@ -95,9 +95,7 @@ def envelope(loader: str, rank_states: Sequence[Any], resumable_at: str = "any")
             # flattens key by key, and a load then asks only for the keys of the loading side's
             # own state: another DP degree fails ("Missing key ...ranks.1..."), and keys the
             # fresh state lacks (a skip reason, an elastic history entry) are silently dropped.
-            "ranks": tuple(
-                encode(s, f"{loader}.ranks[{i}]") for i, s in enumerate(rank_states)
-            ),
+            "ranks": tuple(encode(s, f"{loader}.ranks[{i}]") for i, s in enumerate(rank_states)),
         }
     }
 

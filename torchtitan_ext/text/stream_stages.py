@@ -16,8 +16,8 @@
                     ``track`` (their ``[doc, epoch, left, length]``) and ``ended``.
 ==================  ===========================================================================
 
-Invariant: a state is ints, strs and lists/dicts of them (JSON-serialisable, as before the
-stages), taken right after an item; :meth:`Stage.reset` to it makes the following items bitwise
+Invariant: a state is ints, strs, lists/dicts of them and the packer's two int64 arrays
+(:func:`~torchtitan_ext.text.stream_rows.as_json` makes it JSON), taken right after an item; :meth:`Stage.reset` to it makes the following items bitwise
 the ones that followed it. The source signals the end of an epoch stream with one
 :data:`EPOCH_END` item before it rolls over, so that the packer packs what it holds first (the
 rows are the same whatever ``encode_batch`` is).
@@ -41,8 +41,8 @@ from torchtitan_ext.text.packing import ConcatSplitPacker
 from torchtitan_ext.text.stream_elastic import epoch_pieces, piece_ids, remainder_ids, share
 from torchtitan_ext.text.stream_rows import (
     make_sample,
-    packer_from_json,
-    packer_to_json,
+    packer_from_state,
+    packer_state,
     take_doc_ids,
 )
 from torchtitan_ext.text.stream_source import MISSING, StreamSource
@@ -296,7 +296,8 @@ class StreamDocs(Stage[Any]):
                 "documents than dp ranks x workers, or every record was skipped (skipped so "
                 f"far: {self.skips.as_dict() or 'none'})"
             )
-        self._dry += 1
+        if str(self.epoch) not in self.history:  # a remainder share may be empty: no alarm
+            self._dry += 1
         self.epoch += 1
         self.consumed = 0
         self.history = {k: v for k, v in self.history.items() if int(k) >= self.epoch}
@@ -359,7 +360,7 @@ class PackBatches(Stage[Any]):
         return {
             **self.upstream.state(),
             "ended": int(self.ended),
-            "packer": packer_to_json(self.packer),
+            "packer": packer_state(self.packer),
             "track": [list(t) for t in self.track],
         }
 
@@ -367,7 +368,7 @@ class PackBatches(Stage[Any]):
         self.upstream.reset(state)
         self._reset_packer()
         if state is not None:
-            packer_from_json(self.packer, state["packer"])
+            packer_from_state(self.packer, state["packer"])
             self.track = deque([int(v) for v in t] for t in state["track"])
             self.ended = bool(int(state["ended"]))
 

@@ -56,6 +56,12 @@ class ChainSpec:
         return PackBatches(docs, self.tokenizer, self.seq_len, self.pack, self.batch_size)
 
 
+def _as_is(item: Any) -> Any:
+    """The DataLoader's per-item conversion: none (its default turns the states' numpy arrays
+    into tensors)."""
+    return item
+
+
 class _Workers(IterableDataset):
     """The dataset each DataLoader worker iterates: its chain, from its start state."""
 
@@ -122,7 +128,7 @@ class WorkerChains(Stage[Any]):
             kw: dict[str, Any] = {"num_workers": n, "pin_memory": self.pin_memory}
             if self.prefetch_factor is not None:
                 kw["prefetch_factor"] = self.prefetch_factor
-            self._it = iter(DataLoader(ds, batch_size=None, **kw))
+            self._it = iter(DataLoader(ds, batch_size=None, collate_fn=_as_is, **kw))
         try:
             w, item, st = next(self._it)
         except StopIteration:

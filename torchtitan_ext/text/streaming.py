@@ -86,7 +86,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan_ext.pipeline.stage import State
-from torchtitan_ext.text.stream_rows import Sample
+from torchtitan_ext.text.stream_rows import Sample, as_json
 from torchtitan_ext.text.stream_source import resolve_local_files
 from torchtitan_ext.text.stream_stages import (
     STATE_VERSION,
@@ -180,6 +180,11 @@ class StreamingTextDataset(IterableDataset):
         self._chain: PackBatches | None = None
         self._gen = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["_chain"] = None  # a live reader; a worker builds its own for its slot
+        return d
+
     # ------------------------------------------------------------------ source facts
     def shard_name(self, shard: int) -> str:
         """The file behind a shard (packaged builders read one file per shard)."""
@@ -217,7 +222,7 @@ class StreamingTextDataset(IterableDataset):
 
     def state_dict(self) -> State:
         """This slot's state (ints, strs and lists; JSON-serialisable)."""
-        return self.chain().state()
+        return as_json(self.chain().state())
 
     def load_state_dict(self, state: State) -> None:
         self.chain().reset(state)
