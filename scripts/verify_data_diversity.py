@@ -136,8 +136,9 @@ def build_factory(a: argparse.Namespace, ranks: int):
         )
 
     probe = make(0)
-    ds = getattr(probe, "streaming_dataset", None)
-    num_docs = ds.num_documents() if ds is not None else None
+    num_docs = probe.num_documents() if hasattr(probe, "num_documents") else None
+    if hasattr(probe, "close"):
+        probe.close()
     return make, num_docs, workers
 
 

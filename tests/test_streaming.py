@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -153,26 +154,32 @@ def test_every_document_exactly_once_per_epoch(request, tokenizer, fixture, rank
 
 def test_tokens_of_each_document_appear_once_per_epoch(corpus, tokenizer):
     """End to end through the packer: over all ranks x workers, each document contributes
-    exactly its len(tokens) + 1 (EOS) tokens to the rows of epoch 0 (the full seq_len + 1 rows,
-    recorded from the per-token bookkeeping), plus what is still buffered."""
+    exactly its len(tokens) + 1 (EOS) tokens to the full seq_len + 1 rows of epoch 0. A row's
+    label-only last token belongs to the next row's first document when that one continues
+    (offset > 0), else to the row's last input document (it is that document's EOS)."""
     src, docs = corpus
     lens = [len(t) + 1 for t in tokenizer.encode_batch(docs, add_bos=False)]
     seen: Counter = Counter()
     for w in range(2):
         for r in range(2):
             ds = ds_for(src, tokenizer, (w, 2), dp_rank=r, dp_world_size=2)
-            orig = ds._row_doc_ids
-
-            def record(n, orig=orig):
-                ids, eps, offs = orig(n)
-                seen.update(int(i) for i, e in zip(ids, eps, strict=True) if e == 0)
-                return ids, eps, offs
-
-            ds._row_doc_ids = record
             it = iter(ds)
-            while ds.epoch == 0:
-                next(it)
-            seen.update({int(t[0]): int(t[2]) for t in ds._track if t[1] == 0})
+            rows = [next(it)]
+            while True:  # until no epoch-0 token is pending, plus one row
+                rows.append(next(it))
+                st = ds.state_dict()
+                if st["epoch"] >= 1 and not any(t[1] == 0 for t in st["track"]):
+                    break
+            rows.append(next(it))
+            for (x, _), (nx, _) in pairwise(rows):
+                ids, eps = x["doc_ids"].tolist(), x["doc_epochs"].tolist()
+                seen.update(i for i, e in zip(ids, eps, strict=True) if e == 0)
+                if nx["doc_offsets"][0] > 0:
+                    last = (int(nx["doc_ids"][0]), int(nx["doc_epochs"][0]))
+                else:
+                    last = (ids[-1], eps[-1])
+                if last[1] == 0:
+                    seen[last[0]] += 1
     assert [seen[i] for i in range(len(docs))] == lens
     assert set(seen) == set(range(len(docs)))
 
@@ -206,7 +213,7 @@ def test_infinite_and_second_iter_continues(corpus, tokenizer):
         assert len(part) == 12
         got += part
     assert same(got, whole[: len(got)]), "a second __iter__ must continue, not restart"
-    assert ds.epoch >= 2
+    assert ds.stats()["epoch"] >= 2
 
 
 @pytest.mark.parametrize("loader_cls", [DataLoader, StatefulDataLoader])
@@ -287,14 +294,14 @@ def test_epoch_does_not_shrink_after_resume(corpus, tokenizer):
     src, docs = corpus
     ds = ds_for(src, tokenizer)
     it = iter(ds)
-    while ds.epoch < 1:
+    while ds.stats()["epoch"] < 1:
         next(it)
     take(it, 20)
     ds2 = ds_for(src, tokenizer)
     ds2.load_state_dict(json.loads(json.dumps(ds.state_dict())))
     it2 = iter(ds2)
     rows = []
-    while ds2.epoch < 3:
+    while ds2.stats()["epoch"] < 3:
         rows.append(next(it2))
     c = doc_tokens_per_epoch(rows)
     assert {i for (e, i) in c if e == 2} == set(range(len(docs)))
@@ -389,8 +396,9 @@ def test_bad_records_skip_counts_reconcile(tmp_path, tokenizer):
     pq.write_table(pa.table({"text": docs}), d / "x.parquet")
     ds = ds_for(str(d / "x.parquet"), tokenizer, on_bad_input="skip", infinite=False)
     rows = list(iter(ds))
-    assert ds.skips.as_dict() == {"null": 1, "empty": 1}
-    assert ds.docs_used + ds.skips.total == 30 == ds.consumed
+    st = ds.stats()
+    assert st["skips"] == {"null": 1, "empty": 1}
+    assert st["docs_used"] + st["skipped"] == 30 == st["consumed"]
     assert rows and 3 not in {i for (_, i) in doc_tokens_per_epoch(rows)}
 
 
@@ -406,7 +414,7 @@ def test_corrupt_jsonl_line(tmp_path, tokenizer):
         take(iter(ds), 100)
     ds = ds_for(str(d), tokenizer, shuffle=False, on_bad_input="skip", infinite=False)
     list(iter(ds))
-    assert ds.skips.as_dict() == {"unreadable": 1}
+    assert ds.stats()["skips"] == {"unreadable": 1}
     # a corrupt first file fails schema inference: a clear error naming the file
     (d / "a.jsonl").write_text('{"text": "unterminated\n')
     with pytest.raises(BadInputError, match=r"a\.jsonl.*cannot open as json"):
@@ -444,7 +452,7 @@ def test_repeat_window_is_explicit_and_counted(corpus, tokenizer):
     ds = ds_for(src, tokenizer, max_documents=40, repeat_window=True)
     it = iter(ds)
     rows = []
-    while ds.epoch < 3:
+    while ds.stats()["epoch"] < 3:
         rows.append(next(it))
     c = doc_tokens_per_epoch(rows)
     for e in (0, 1):

@@ -1,119 +1,79 @@
-"""torchtitan glue for :class:`~torchtitan_ext.text.streaming.StreamingTextDataset`
-(registry name ``"streaming_text"``).
+"""torchtitan glue for the streaming text loader (registry name ``"streaming_text"``).
 
-A ``torchdata`` ``StatefulDataLoader`` over the streaming dataset, built by torchtitan as
-``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=,
-snapshot_every_n_steps=)``. Differences from torchtitan's ``ParallelAwareDataloader``: the
-checkpoint state is *not* pickled (``{"dp_rank_{r}": <dict of ints/lists>, "world_size": R}``),
-and ``get_stats()`` reports epoch / documents / skips for the per-step log line.
+Built by torchtitan as ``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=,
+local_batch_size=, ...)``. The loader is a chain of stages on :mod:`torchtitan_ext.pipeline`
+(:mod:`~torchtitan_ext.text.stream_stages`): documents of a slot -> tokenize + pack + batch,
+run by :class:`~torchtitan_ext.pipeline.prefetch.Prefetch` (``num_workers = 0``: one thread)
+or by :class:`~torchtitan_ext.text.stream_workers.WorkerChains` (``num_workers > 0``: one chain
+per worker process). A slot is ``dp_rank * workers + worker`` of ``dp_world_size * workers``.
+
+Checkpoint: the one format (:mod:`torchtitan_ext.pipeline.checkpoint`), ``resumable_at="any"``.
+This rank's state (:meth:`StreamingTextDataLoader.rank_state`) is ``{"workers": [slot state per
+worker], "next": k}``. :meth:`~StreamingTextDataLoader.load_state_dict`: the same DP degree and
+worker count -> this rank's own state (bitwise resume); the same number of slots otherwise ->
+each slot's own state; another number of slots -> :func:`~torchtitan_ext.text.stream_elastic.
+merge` (what is left of the epoch, dealt document by document).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from torchdata.stateful_dataloader import StatefulDataLoader
+import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
-from torchtitan_ext.text.streaming import StreamingTextDataset
+from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
+from torchtitan_ext.pipeline.stage import Stage, State, options
+from torchtitan_ext.text.stream_elastic import merge
+from torchtitan_ext.text.stream_stages import PackOptions, StreamOptions, open_source, slot_stats
+from torchtitan_ext.text.stream_workers import ChainSpec, WorkerChains, merged_stats
+from torchtitan_ext.text.streaming import check_args
+from torchtitan_ext.text.tokenize import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-
-def _dataset_states(state: Any) -> list[dict[str, Any]]:
-    """Every per-worker ``dataset_state`` inside a StatefulDataLoader state dict."""
-    found: list[dict[str, Any]] = []
-    if isinstance(state, dict):
-        ds = state.get("dataset_state")
-        if isinstance(ds, dict) and "epoch" in ds:
-            found.append(ds)
-        for k, v in state.items():
-            if k != "dataset_state":
-                found += _dataset_states(v)
-    return found
+NAME = "streaming_text"
 
 
-class StreamingTextDataLoader(StatefulDataLoader, BaseDataLoader):
-    """Streaming text loader: infinite, disjoint over DP ranks x workers, exactly resumable."""
+def _pinned(batch: Any) -> Any:
+    x, y = batch
+    return {k: v.pin_memory() for k, v in x.items()}, y.pin_memory()
+
+
+class StreamingTextDataLoader(BaseDataLoader):
+    """Streaming text loader: infinite, disjoint over DP ranks x workers, exactly resumable,
+    resumable at another DP degree or worker count."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
+    class Config(BaseDataLoader.Config, StreamOptions, PackOptions, PrefetchOptions):
         dataset: str = ""
         """Hugging Face hub dataset id, used when ``dataset_path`` is empty."""
 
         dataset_path: str | None = None
         """Local Parquet / JSONL / text file, directory or glob (e.g. ``data/train-*.parquet``)."""
 
-        dataset_name: str | None = None
-        """Hub dataset config name (``load_dataset(path, name)``); ignored for local files."""
-
-        split: str = "train"
-        """Hub split; local files are always read as one split."""
-
-        text_column: str = "text"
-        """Column holding the document text."""
-
         tokenizer_path: str | None = None
         """Tokenizer directory / tokenizer.json; overrides the trainer's tokenizer when set."""
-
-        seed: int = 0
-        """Shuffle seed; epoch e reshuffles with (seed, e). Give eval its own seed."""
-
-        shuffle: bool = True
-        """Permute shards per epoch and documents within blocks of ``shuffle_buffer``."""
-
-        shuffle_buffer: int = 1000
-        """Documents per within-worker shuffle block."""
-
-        skip_first: int = 0
-        """Global index (raw source order) of the first document: the eval offset."""
-
-        max_documents: int | None = None
-        """Window length in documents. Read once, never replayed: with ``infinite`` the stream
-        raises DocumentLimitReached at its end; without, it ends."""
-
-        infinite: bool = True
-        """Loop over epochs forever (training) or read the data once. torchtitan's validator sets
-        this to ``steps != -1``."""
-
-        repeat_window: bool = False
-        """With ``max_documents``: loop over the window in counted, reshuffled epochs (a train
-        split [0, N) beside an eval window at skip_first=N) instead of raising at its end."""
 
         batches_per_iter: int | None = None
         """If set, each iteration over the loader yields exactly this many batches (a fixed-size
         evaluation); the next iteration continues the stream."""
 
-        on_bad_input: Literal["error", "skip"] = "error"
-        """``"error"``: raise naming file and row; ``"skip"``: count the record with its reason."""
-
-        add_bos: bool = False
-        """Prefix each document with BOS (documents are always followed by the EOS boundary)."""
-
-        encode_batch: int = 32
-        """Documents per batched tokenizer call."""
-
-        text_sample_by: Literal["line", "paragraph", "document"] = "paragraph"
-        """For .txt sources: one document per "line", "paragraph" or "document" (file)."""
-
-        emit_doc_ids: bool = False
-        """Debug: add per-token ``doc_ids``/``doc_epochs``/``doc_offsets`` to each batch (for
-        scripts/verify_data_diversity.py). Never for training: torchtitan passes extra keys to
-        the model."""
-
         num_workers: int = 0
-        """DataLoader worker processes (each reads its own disjoint slice)."""
+        """Worker processes, each reading its own disjoint slot (0: one thread in-process)."""
 
         persistent_workers: bool = True
-        """Keep workers between iterations; the stream continues either way."""
+        """Kept for old configs: the stream is one long-lived iterator, so workers always
+        persist and a new iteration always continues the stream."""
 
         prefetch_factor: int | None = None
-        """Batches prefetched per worker (num_workers > 0 only)."""
+        """Batches prefetched per worker (num_workers > 0; torch's default 2)."""
 
         pin_memory: bool = False
-        """Pin batches in page-locked memory."""
+        """Pin batches in page-locked memory (when CUDA is available)."""
 
     def __init__(
         self,
@@ -124,7 +84,6 @@ class StreamingTextDataLoader(StatefulDataLoader, BaseDataLoader):
         tokenizer: Any = None,
         seq_len: int,
         local_batch_size: int,
-        snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -135,82 +94,97 @@ class StreamingTextDataLoader(StatefulDataLoader, BaseDataLoader):
         source = config.dataset_path or config.dataset
         if not source:
             raise ValueError("streaming_text: set dataloader.dataset_path (or a hub id in dataset)")
-        self.config = config
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
-        self._rank_id = f"dp_rank_{dp_rank}"
-        self.streaming_dataset = StreamingTextDataset(
-            source,
-            tok,
-            seq_len,
-            seed=config.seed,
-            shuffle=config.shuffle,
-            shuffle_buffer=config.shuffle_buffer,
-            skip_first=config.skip_first,
-            max_documents=config.max_documents,
-            infinite=config.infinite,
-            repeat_window=config.repeat_window,
+        stream = options(StreamOptions, config)
+        check_args(
+            seq_len=seq_len,
+            seed=stream.seed,
+            skip_first=stream.skip_first,
+            max_documents=stream.max_documents,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
-            text_column=config.text_column,
-            name=config.dataset_name,
-            split=config.split,
-            on_bad_input=config.on_bad_input,
-            add_bos=config.add_bos,
-            encode_batch=config.encode_batch,
-            batches_per_iter=config.batches_per_iter,
-            batch_size=local_batch_size,
-            emit_doc_ids=config.emit_doc_ids,
-            text_sample_by=config.text_sample_by,
         )
-        dl_kwargs: dict[str, Any] = {
-            "batch_size": local_batch_size,
-            "num_workers": config.num_workers,
-            "pin_memory": config.pin_memory,
-            "snapshot_every_n_steps": snapshot_every_n_steps or 1,
-        }
-        if config.num_workers > 0:
-            dl_kwargs["persistent_workers"] = config.persistent_workers
-            if config.prefetch_factor is not None:
-                dl_kwargs["prefetch_factor"] = config.prefetch_factor
-        super().__init__(self.streaming_dataset, **dl_kwargs)
+        self.config = config
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.tokenizer = TextTokenizer.coerce(tok)
+        self.source = open_source(source, stream)
+        spec = ChainSpec(
+            self.source, stream, options(PackOptions, config), self.tokenizer, seq_len,
+            local_batch_size,
+        )  # fmt: skip
+        self.workers = max(1, config.num_workers)  # slots of this rank
+        self.nslots = dp_world_size * self.workers
+        self.slots = [dp_rank * self.workers + w for w in range(self.workers)]
+        self.stage: Stage[Any]
+        if config.num_workers == 0:
+            pin = config.pin_memory and torch.cuda.is_available()
+            self.stage = Prefetch(
+                spec.build(self.slots[0], self.nslots),
+                options(PrefetchOptions, config),
+                name=f"streaming_text[dp{dp_rank}]",
+                then=_pinned if pin else None,
+            )
+        else:
+            self.stage = WorkerChains(
+                spec,
+                self.slots,
+                self.nslots,
+                prefetch_factor=config.prefetch_factor,
+                pin_memory=config.pin_memory,
+            )
+
+    def __iter__(self):
+        quota = self.config.batches_per_iter
+        n = 0
+        while quota is None or n < quota:
+            try:
+                batch = self.stage.next()
+            except StopIteration:
+                return
+            n += 1
+            yield batch
+
+    def num_documents(self) -> int:
+        """Documents in the window (counts every shard of it that has no metadata)."""
+        return self.source.num_documents()
+
+    def close(self) -> None:
+        self.stage.close()
 
     # ------------------------------------------------------------------ checkpointing
+    def rank_state(self) -> State:
+        """This DP rank's state, ``{"workers": [slot state per worker], "next": k}`` (no
+        collective; ints, strs, lists and the packers' int64 arrays)."""
+        st = self.stage.state()
+        return st if self.config.num_workers > 0 else {"workers": [st], "next": 0}
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"dp_rank_{r}": <StatefulDataLoader state: dicts of ints/lists>, "world_size": R}``
-        — no pickle (torchtitan's ParallelAwareDataloader pickles this)."""
-        return {self._rank_id: super().state_dict(), "world_size": self.dp_world_size}
+        """The one envelope, identical on every rank (one gather at checkpoint time)."""
+        ranks = checkpoint.gather(self.rank_state(), self.dp_rank, self.dp_world_size)
+        return checkpoint.envelope(NAME, ranks, "any")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return  # an empty state is valid (fresh start), as in torchtitan
-        if self._rank_id not in state_dict:
-            logger.warning("streaming_text: no dataloader state for %s", self._rank_id)
-            return
-        if int(state_dict["world_size"]) != self.dp_world_size:
-            raise ValueError(
-                f"dataloader state was saved with dp_world_size={state_dict['world_size']}, "
-                f"this run has {self.dp_world_size}: resharding a stream is not supported"
+        ranks = checkpoint.open_envelope(state_dict, NAME, self.dp_world_size)
+        old = [slot for r in ranks for slot in r["workers"]]
+        if len(ranks) == self.dp_world_size and len(ranks[0]["workers"]) == self.workers:
+            mine = ranks[self.dp_rank]
+        elif len(old) == self.nslots:
+            mine = {"workers": [old[s] for s in self.slots], "next": 0}
+        else:
+            logger.info(
+                "%s: resuming %d slots (%d DP ranks) as %d slots: re-dealing the rest of the epoch",
+                NAME,
+                len(old),
+                len(ranks),
+                self.nslots,
             )
-        super().load_state_dict(state_dict[self._rank_id])
+            merged = merge(old, self.nslots)
+            mine = {"workers": [merged[s] for s in self.slots], "next": 0}
+        self.stage.reset(mine if self.config.num_workers > 0 else mine["workers"][0])
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict[str, Any]:
-        """Epoch (slowest worker), documents read/used and skips, summed over this rank's
-        workers (from the latest worker snapshots when num_workers > 0)."""
-        if self.config.num_workers == 0:
-            states = [self.streaming_dataset.state_dict()]
-        else:
-            states = _dataset_states(super().state_dict())
-        if not states:
-            return {}
-        skips: dict[str, int] = {}
-        for s in states:
-            for k, v in s["skips"]["counts"].items():
-                skips[k] = skips.get(k, 0) + int(v)
-        return {
-            "epoch": min(int(s["epoch"]) for s in states),
-            "docs_used": sum(int(s["docs_used"]) for s in states),
-            "skipped": sum(skips.values()),
-            "skips": skips,
-        }
+        """Epoch (slowest slot), documents used and skips, summed over this rank's slots, as of
+        the last batch returned."""
+        return merged_stats([slot_stats(s) for s in self.rank_state()["workers"]])

@@ -91,8 +91,10 @@ def envelope(loader: str, rank_states: Sequence[Any], resumable_at: str = "any")
             "loader": loader,
             "dp_world_size": len(rank_states),
             "resumable_at": resumable_at,
-            # a tuple: DCP keeps it as ONE leaf (it traverses a list whose items are dicts, and
-            # a job at another DP degree would then ask for ranks.<i> keys that do not exist)
+            # A tuple: torch.distributed.checkpoint keeps it as ONE leaf. A list of dicts it
+            # flattens key by key, and a load then asks only for the keys of the loading side's
+            # own state: another DP degree fails ("Missing key ...ranks.1..."), and keys the
+            # fresh state lacks (a skip reason, an elastic history entry) are silently dropped.
             "ranks": tuple(encode(s, f"{loader}.ranks[{i}]") for i, s in enumerate(rank_states)),
         }
     }

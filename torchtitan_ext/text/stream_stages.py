@@ -1,0 +1,427 @@
+"""The streaming text loader as two stages (:mod:`torchtitan_ext.pipeline.stage` contract):
+
+==================  ===========================================================================
+:class:`StreamDocs`  source: the documents of one slot's epoch stream, ``(doc_id, epoch, text)``
+                    — the window / pieces / slot / block-shuffle arithmetic of
+                    :mod:`~torchtitan_ext.text.stream_window`, or, after a resume at another
+                    number of slots, this slot's share of what is left of an epoch
+                    (:mod:`~torchtitan_ext.text.stream_elastic`). Bad records are counted or
+                    raised here. State: ``epoch``, ``consumed`` (items of the slot's stream
+                    taken, used or skipped), ``docs_used``, ``skips``, ``shard_level``,
+                    ``history`` (the remainders being read; empty in a run that never changed
+                    its degree).
+:class:`PackBatches` tokenize (``encode_batch`` documents per Rust call), pack (concat-split
+                    with an EOS boundary) and batch ``batch_size`` rows (``None``: single
+                    samples). State: the source's, plus ``packer`` (pending tokens),
+                    ``track`` (their ``[doc, epoch, left, length]``) and ``ended``.
+==================  ===========================================================================
+
+Invariant: a state is ints, strs, lists/dicts of them and the packer's two int64 arrays
+(:func:`~torchtitan_ext.text.stream_rows.as_json` makes it JSON), taken right after an item; :meth:`Stage.reset` to it makes the following items bitwise
+the ones that followed it. The source signals the end of an epoch stream with one
+:data:`EPOCH_END` item before it rolls over, so that the packer packs what it holds first (the
+rows are the same whatever ``encode_batch`` is).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from torchtitan_ext.pipeline.stage import Stage, State
+from torchtitan_ext.text.columns import EMPTY, Rejected, as_text
+from torchtitan_ext.text.errors import BadInputError, NoUsableDocuments, SkipLog
+from torchtitan_ext.text.packing import ConcatSplitPacker
+from torchtitan_ext.text.stream_elastic import epoch_pieces, piece_ids, remainder_ids, share
+from torchtitan_ext.text.stream_rows import (
+    make_sample,
+    packer_from_state,
+    packer_state,
+    take_doc_ids,
+)
+from torchtitan_ext.text.stream_source import MISSING, StreamSource
+from torchtitan_ext.text.stream_window import Piece, piece_size
+from torchtitan_ext.text.tokenize import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 2
+EPOCH_END = ("epoch_end",)
+"""Item of :class:`StreamDocs` at the end of an epoch stream (then it rolls over)."""
+
+
+class DocumentLimitReached(RuntimeError):
+    """An infinite stream reached the end of its ``max_documents`` window. Replaying the window
+    would be the ``take(N)`` repetition bug, so the stream stops loudly instead."""
+
+
+@dataclass(kw_only=True)
+class StreamOptions:
+    """Options of :class:`StreamDocs` (the loader Config inherits them; TOML ``[dataloader]``)."""
+
+    seed: int = 0
+    """Shuffle seed; epoch e reshuffles with (seed, e). Give eval its own seed."""
+
+    shuffle: bool = True
+    """Permute shards per epoch and documents within blocks of ``shuffle_buffer``."""
+
+    shuffle_buffer: int = 1000
+    """Documents per within-slot shuffle block."""
+
+    skip_first: int = 0
+    """Global index (raw source order) of the first document: the eval offset."""
+
+    max_documents: int | None = None
+    """Window length in documents. Read once, never replayed: with ``infinite`` the stream
+    raises DocumentLimitReached at its end; without, it ends."""
+
+    infinite: bool = True
+    """Loop over epochs forever (training) or read the data once. torchtitan's validator sets
+    this to ``steps != -1``."""
+
+    repeat_window: bool = False
+    """With ``max_documents``: loop over the window in counted, reshuffled epochs (a train
+    split [0, N) beside an eval window at skip_first=N) instead of raising at its end."""
+
+    dataset_name: str | None = None
+    """Hub dataset config name (``load_dataset(path, name)``); ignored for local files."""
+
+    split: str = "train"
+    """Hub split; for a local directory with split-named files it selects the files."""
+
+    text_column: str = "text"
+    """Column holding the document text."""
+
+    on_bad_input: Literal["error", "skip"] = "error"
+    """``"error"``: raise naming file and row; ``"skip"``: count the record with its reason."""
+
+    text_sample_by: Literal["line", "paragraph", "document"] = "paragraph"
+    """For .txt sources: one document per "line", "paragraph" or "document" (file)."""
+
+
+@dataclass(kw_only=True)
+class PackOptions:
+    """Options of :class:`PackBatches` (the loader Config inherits them)."""
+
+    add_bos: bool = False
+    """Prefix each document with BOS (documents are always followed by the EOS boundary)."""
+
+    encode_batch: int = 32
+    """Documents per batched tokenizer call."""
+
+    emit_doc_ids: bool = False
+    """Debug: add per-token ``doc_ids``/``doc_epochs``/``doc_offsets`` to each batch (for
+    scripts/verify_data_diversity.py). Never for training: torchtitan passes extra keys to
+    the model."""
+
+
+def open_source(source: Any, o: StreamOptions, load_kwargs: dict | None = None) -> StreamSource:
+    """Locate and open ``source`` clipped to the options' window (errors name the files)."""
+    return StreamSource(
+        source,
+        split=o.split,
+        name=o.dataset_name,
+        text_column=o.text_column,
+        text_sample_by=o.text_sample_by,
+        load_kwargs=dict(load_kwargs or {}),
+        skip_first=o.skip_first,
+        max_documents=o.max_documents,
+    )
+
+
+def slot_stats(state: State) -> dict[str, Any]:
+    """Counters of one slot as of ``state`` (a :class:`StreamDocs` or :class:`PackBatches`
+    state): a pure function, so a prefetching or multi-process stage reports exactly the
+    position of the last batch handed over."""
+    skips = {str(k): int(v) for k, v in state["skips"]["counts"].items()}
+    out = {
+        "epoch": int(state["epoch"]),
+        "consumed": int(state["consumed"]),
+        "docs_used": int(state["docs_used"]),
+        "skipped": sum(skips.values()),
+        "skips": skips,
+    }
+    if "packer" in state:
+        out["buffered_tokens"] = sum(int(n) for n in state["packer"]["lengths"])
+    return out
+
+
+class StreamDocs(Stage[Any]):
+    """Documents ``(doc_id, epoch, text)`` of slot ``slot`` of ``nslots`` (see module doc)."""
+
+    def __init__(self, source: StreamSource, options: StreamOptions, slot: int, nslots: int):
+        if not 0 <= slot < nslots:
+            raise ValueError(f"slot {slot} not in [0, {nslots})")
+        self.src, self.o, self.slot, self.nslots = source, options, slot, nslots
+        self.block = max(1, int(options.shuffle_buffer)) if options.shuffle else 1
+        self.reset(None)
+
+    # ------------------------------------------------------------------ contract
+    def state(self) -> State:
+        return {
+            "version": STATE_VERSION,
+            "slot": self.slot,
+            "num_slots": self.nslots,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "docs_used": self.docs_used,
+            "skips": self.skips.state_dict(),
+            "shard_level": self._level,
+            "history": self.history,  # replaced, never mutated: shared safely
+        }
+
+    def reset(self, state: State | None = None) -> None:
+        self.epoch, self.consumed, self.docs_used = 0, 0, 0
+        self.skips = SkipLog()
+        self.history: dict[str, Any] = {}
+        self._it: Iterator[tuple[int, int, Any]] | None = None
+        self._at_end = False
+        self._dry = 0  # epoch ends since the last document returned
+        self._level = int(self.src.shard_level(self.nslots))
+        if state is None:
+            return
+        if int(state.get("version", -1)) != STATE_VERSION:
+            raise ValueError(
+                f"streaming state version {state.get('version')} is not {STATE_VERSION}"
+            )
+        if "slot" in state and (int(state["slot"]), int(state["num_slots"])) != (
+            self.slot,
+            self.nslots,
+        ):
+            raise ValueError(
+                f"state is for slot {state['slot']}/{state['num_slots']} but this is slot "
+                f"{self.slot}/{self.nslots}: resume needs the same dp_world_size and num_workers"
+                " (or the loader's load_state_dict, which re-deals other degrees)"
+            )
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.docs_used = int(state["docs_used"])
+        self.skips.load_state_dict(state["skips"])
+        self.history = dict(state.get("history", {}))
+
+    def next(self) -> Any:
+        while True:
+            if self._it is None:
+                self._it = self._stream()
+            try:
+                shard, row, ex = next(self._it)
+            except StopIteration:
+                if not self._at_end:
+                    self._at_end = True
+                    return EPOCH_END
+                self._roll_over()
+                continue
+            self.consumed += 1
+            text = self._text_of(ex, shard, row)
+            if text is not None:
+                self.docs_used += 1
+                self._dry = 0
+                return self.src.doc_id(shard, row), self.epoch, text
+
+    def stats(self, state: State) -> dict[str, Any]:
+        return slot_stats(state)
+
+    # ------------------------------------------------------------------ reading
+    def _stream(self) -> Iterator[tuple[int, int, Any]]:
+        self._level = int(self.src.shard_level(self.nslots))
+        if str(self.epoch) in self.history:
+            return self._remainder_stream()
+        return self.src.epoch_stream(
+            self.epoch,
+            self.consumed,
+            self.slot,
+            self.nslots,
+            seed=self.o.seed,
+            shuffle=self.o.shuffle,
+            block_size=self.block,
+            on_bad_input=self.o.on_bad_input,
+            skips=self.skips,
+        )
+
+    def _remainder_stream(self) -> Iterator[tuple[int, int, Any]]:
+        """This slot's share of what is left of the epoch, from its ``consumed``-th document:
+        the pieces holding one of them are read in epoch order (see stream_elastic)."""
+        o = self.o
+        ordered = epoch_pieces(self.src.pieces, seed=o.seed, epoch=self.epoch, shuffle=o.shuffle)
+        ids = piece_ids(ordered, [self._piece_rows(p) for p in ordered], self.src.doc_id)
+        rest = remainder_ids(
+            ids, self.history[str(self.epoch)], block=self.block, seed=o.seed, epoch=self.epoch
+        )
+        mine = share(rest, self.slot, self.nslots)[self.consumed :]
+        wanted = set(mine.tolist())
+        for p, pid in zip(ordered, ids, strict=True):
+            if not wanted:
+                return
+            if not np.isin(pid, mine).any():
+                continue
+            for row, ex in self.src.rows(p, on_bad_input=o.on_bad_input, skips=self.skips):
+                g = self.src.doc_id(p.shard, row)
+                if g in wanted:
+                    wanted.discard(g)
+                    yield p.shard, row, ex
+
+    def _piece_rows(self, p: Piece) -> int:
+        """Rows of a piece; counts a shard without metadata (not cached in ``known``, whose
+        contents decide shard-level reading and must not change under a running stream)."""
+        n = piece_size(p, self.src.known)
+        if n is None:
+            full = Piece(p.shard, 0, None)
+            n = sum(1 for _ in self.src.rows(full, on_bad_input="error", skips=None)) - p.lo
+        return n
+
+    def _roll_over(self) -> None:
+        """The slot's epoch stream ended: StopIteration for a finite stream, else the next epoch.
+        Raises at the end of a ``max_documents`` window that may not repeat, and when a whole
+        epoch had no usable document."""
+        o, where = self.o, f"slot {self.slot}/{self.nslots}"
+        if o.max_documents is not None and o.infinite and not o.repeat_window:
+            raise DocumentLimitReached(
+                f"{self.src.source}: {where} reached the end of the max_documents="
+                f"{o.max_documents} window (skip_first={o.skip_first}) in epoch {self.epoch}. "
+                "A document limit is read once and never replayed; raise max_documents, lower "
+                "the number of eval batches, or drop the limit for an endless stream."
+            )
+        if not o.infinite:
+            raise StopIteration
+        if self._dry >= 1:
+            files = self.src.files or [str(self.src.source)]
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise NoUsableDocuments(
+                f"{where} got no usable documents in epoch {self.epoch} of {shown}: fewer "
+                "documents than dp ranks x workers, or every record was skipped (skipped so "
+                f"far: {self.skips.as_dict() or 'none'})"
+            )
+        if str(self.epoch) not in self.history:  # a remainder share may be empty: no alarm
+            self._dry += 1
+        self.epoch += 1
+        self.consumed = 0
+        self.history = {k: v for k, v in self.history.items() if int(k) >= self.epoch}
+        self._it, self._at_end = None, False
+        logger.info("%s: %s starts epoch %d", self.src.source, where, self.epoch)
+
+    def _text_of(self, text: Any, shard: int, row: int) -> str | None:
+        """The document text, or None after counting a skip (raises in error mode). Values are
+        judged by :func:`~torchtitan_ext.text.columns.as_text`, as in the Parquet loader (UTF-8
+        bytes are text); empty documents are always skipped and counted."""
+        where_file = self.src.shard_name(shard)
+        if text is MISSING:
+            got = Rejected("missing_key", f"no column {self.o.text_column!r}")
+        else:
+            got = as_text(text)
+            if type(got) is str:
+                return got
+            if got is EMPTY:
+                self.skips.skip("empty", f"{where_file} row={row}")
+                return None
+        err = BadInputError(got.message, file=where_file, row=row, key=self.o.text_column)
+        if self.o.on_bad_input == "error":
+            raise err
+        self.skips.skip(got.reason, err.location)
+        return None
+
+
+class PackBatches(Stage[Any]):
+    """Tokenize + concat-split pack + batch over :class:`StreamDocs` (see the module doc).
+
+    Yields ``({"input", "positions"[, "doc_ids", "doc_epochs", "doc_offsets"]}, labels)``:
+    ``[batch_size, seq_len]`` tensors, or one sample (``[seq_len]``) with ``batch_size=None``.
+    At the end of a finite stream the last row is padded (labels -100) and the last batch may
+    be short."""
+
+    def __init__(
+        self,
+        upstream: StreamDocs,
+        tokenizer: TextTokenizer,
+        seq_len: int,
+        options: PackOptions,
+        batch_size: int | None = None,
+    ) -> None:
+        if tokenizer.eos_id is None:
+            raise ValueError(f"{tokenizer.source}: no EOS token; it is the document boundary")
+        self.upstream, self.tok, self.seq_len, self.o = upstream, tokenizer, seq_len, options
+        self.batch_size = batch_size
+        self.encode_batch = max(1, int(options.encode_batch))
+        self._reset_packer()
+
+    def _reset_packer(self) -> None:
+        tok = self.tok
+        self.packer = ConcatSplitPacker(
+            self.seq_len, boundary_id=tok.eos_id, pad_id=tok.pad_id or 0
+        )
+        self.track: deque[list[int]] = deque()
+        self.ended = False
+
+    def state(self) -> State:
+        return {
+            **self.upstream.state(),
+            "ended": int(self.ended),
+            "packer": packer_state(self.packer),
+            "track": [list(t) for t in self.track],
+        }
+
+    def reset(self, state: State | None = None) -> None:
+        self.upstream.reset(state)
+        self._reset_packer()
+        if state is not None:
+            packer_from_state(self.packer, state["packer"])
+            self.track = deque([int(v) for v in t] for t in state["track"])
+            self.ended = bool(int(state["ended"]))
+
+    def stats(self, state: State) -> dict[str, Any]:
+        return slot_stats(state)
+
+    def next(self) -> Any:
+        rows = []
+        want = self.batch_size or 1
+        while len(rows) < want and not self.ended:
+            while not self.packer.ready():
+                if not self._fill():
+                    self.ended = True
+                    break
+            if self.ended:
+                if self.packer.has_pending():
+                    rows.append(self._sample(final=True))
+                break
+            rows.append(self._sample(final=False))
+        if not rows:
+            raise StopIteration
+        if self.batch_size is None:
+            return rows[0]
+        x = {k: torch.stack([r[0][k] for r in rows]) for k in rows[0][0]}
+        return x, torch.stack([r[1] for r in rows])
+
+    def _fill(self) -> bool:
+        """Read up to ``encode_batch`` documents (fewer at an epoch end) into the packer; False
+        at the end of a finite stream."""
+        texts: list[str] = []
+        meta: list[tuple[int, int]] = []
+        while len(texts) < self.encode_batch:
+            try:
+                item = self.upstream.next()
+            except StopIteration:
+                if texts:
+                    break
+                return False
+            if item is EPOCH_END:
+                if texts:
+                    break
+                continue
+            did, epoch, text = item
+            texts.append(text)
+            meta.append((did, epoch))
+        encoded = self.tok.encode_arrays(texts, add_bos=self.o.add_bos, add_eos=False)
+        for doc, (did, epoch) in zip(encoded, meta, strict=True):
+            self.packer.add(doc)
+            n = len(doc) + 1  # +1: the EOS boundary
+            self.track.append([did, epoch, n, n])
+        return True
+
+    def _sample(self, final: bool) -> Any:
+        row = self.packer.pop_row(final=final)
+        ids = take_doc_ids(self.track, row.valid)  # consumed even when not emitted
+        return make_sample(row, ids if self.o.emit_doc_ids else None, self.seq_len)
