@@ -1,7 +1,7 @@
 """Background threads that feed a consumer: stop-aware hand-off, error relay and bounded join.
 
-The package runs its producers in daemon threads (:mod:`~torchtitan_ext.text.prefetch`'s
-producer, :mod:`~torchtitan_ext.device.staging`'s fetch and stage threads,
+The package runs its producers in daemon threads (:mod:`~torchtitan_ext.pipeline.prefetch`'s
+thread, :mod:`~torchtitan_ext.device.staging`'s fetch and stage threads,
 :mod:`~torchtitan_ext.tokenizer.pretokenize`'s reader). Each needs the same three things, and this
 module is their one home:
 
