@@ -176,14 +176,13 @@ class PackedBatches(Stage[Batch]):
             elif self._ended:
                 break
             else:
-                self._between = n == 0
+                self._between = n == 0  # stays set if next() raises: see state_after_error
                 try:
                     chunk = self.upstream.next()
                 except StopIteration:
                     self._ended = True
                     continue
-                finally:
-                    self._between = False
+                self._between = False
                 self._feed(chunk)
         return n
 

@@ -371,7 +371,7 @@ class ParquetSource(Stage[Chunk]):
                     return
                 step = pending.popleft()
                 if isinstance(step, Position):  # an epoch ends
-                    if whole and docs == 0:
+                    if whole and docs == 0 and self.options.infinite:  # a pass just ends
                         streak.epochs += 1
                         streak.rows += rows
                         streak.skips.update(skips)
