@@ -168,14 +168,14 @@ def test_model_section_cli_beats_toml(tmp_path, key, toml_v, cli_v):
 
 def test_loader_config_defaults_are_the_loaders_own():
     """A default lives once: the torchtitan-facing Config and the framework-free class it builds
-    agree on every setting they share (the Config is what --help shows)."""
-    from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
+    agree on every setting they share (the Config is what --help shows). parquet_prefetch's Config
+    *is made of* its stages' options dataclasses, so its defaults are theirs by construction."""
+    from torchtitan_ext.pipeline.prefetch import PrefetchOptions
+    from torchtitan_ext.text.pack_stage import PackOptions
+    from torchtitan_ext.text.parquet_source import ParquetOptions
     from torchtitan_ext.text.streaming import StreamingTextDataset
 
-    pairs = [
-        (get_loader_config("parquet_prefetch"), PrefetchingParquetLoader),
-        (get_loader_config("streaming_text"), StreamingTextDataset),
-    ]
+    pairs = [(get_loader_config("streaming_text"), StreamingTextDataset)]
     checked = 0
     for cfg_cls, impl in pairs:
         params = inspect.signature(impl.__init__).parameters
@@ -186,6 +186,12 @@ def test_loader_config_defaults_are_the_loaders_own():
             assert f.default == p.default, (
                 f"{cfg_cls.__qualname__}.{f.name}: {f.default!r} != {p.default!r}"
             )
+            checked += 1
+    parquet = {f.name: f for f in dataclasses.fields(get_loader_config("parquet_prefetch"))}
+    for opts in (ParquetOptions, PackOptions, PrefetchOptions):
+        assert issubclass(get_loader_config("parquet_prefetch"), opts)
+        for f in dataclasses.fields(opts):
+            assert parquet[f.name].default == f.default, f"parquet_prefetch.{f.name}"
             checked += 1
     assert checked >= 20
 
