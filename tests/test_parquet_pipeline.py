@@ -22,12 +22,8 @@ from torchtitan_ext.pipeline.prefetch import PrefetchOptions
 from torchtitan_ext.pipeline.stage import options
 from torchtitan_ext.text.diversity import DiversityMeter
 from torchtitan_ext.text.pack_stage import PackOptions
-from torchtitan_ext.text.parquet_source import (
-    ParquetOptions,
-    Position,
-    epoch_units,
-    merge_positions,
-)
+from torchtitan_ext.text.parquet_resume import merge_positions
+from torchtitan_ext.text.parquet_source import ParquetOptions, Position, epoch_units
 from torchtitan_ext.text.tokenize import TextTokenizer
 
 FILES, GROUPS, ROWS = 3, 10, 10  # 30 row groups of 10 documents
@@ -240,3 +236,29 @@ def test_config_is_made_of_the_stage_options():
         for f in dataclasses.fields(c)
     }
     assert not own & stage_fields, own & stage_fields
+
+
+def test_all_bad_rows_next_to_an_empty_row_group_end_in_a_clear_error(tmp_path, corpus):
+    """With a global, reshuffled deal a rank's share changes every epoch: an endless stream
+    errors once its streak of epochs without a usable document has visited every row group —
+    including an empty one, which yields no chunk at all."""
+    from torchtitan_ext.text.errors import NoUsableDocuments
+    from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
+
+    schema = pa.schema([("text", pa.string())])
+    with pq.ParquetWriter(tmp_path / "bad.parquet", schema) as w:
+        w.write_table(pa.table({"text": pa.array([None] * 6, pa.string())}))
+        w.write_table(pa.table({"text": pa.array([], pa.string())}))
+        w.write_table(pa.table({"text": pa.array([None] * 6, pa.string())}))
+    with PrefetchingParquetLoader(
+        tmp_path / "bad.parquet",
+        corpus[1],
+        seq_len=SEQ_LEN,
+        batch_size=2,
+        val_files="none",
+        on_bad_input="skip",
+        dp_rank=1,
+        dp_world_size=2,
+    ) as loader:
+        with pytest.raises(NoUsableDocuments, match=r"dp_rank 1 of 2: \d+ whole epoch.*null="):
+            next(loader)

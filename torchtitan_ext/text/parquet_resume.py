@@ -7,7 +7,7 @@ envelope, gathered at checkpoint time). :func:`resume_state` gives a new rank it
 * **Another degree** — :func:`merge_rank_states`, made of three parts:
 
   ==============  ===============================================================================
-  source          :func:`~torchtitan_ext.text.parquet_source.merge_positions`: the old ranks'
+  source          :func:`merge_positions`: the old ranks'
                   progress becomes a phase of the epoch (also of later epochs for ranks that
                   were ahead): the new ranks deal what nobody read, in epoch order
   packer          what the old ranks had read but not yet emitted (buffered documents;
@@ -29,12 +29,48 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchtitan_ext.pipeline.checkpoint import LoaderStateError
-from torchtitan_ext.pipeline.elastic import Unit, redeal
+from torchtitan_ext.pipeline.elastic import Phase, Progress, Unit, redeal, replay
 from torchtitan_ext.pipeline.stage import State
 from torchtitan_ext.text import packer_state
-from torchtitan_ext.text.parquet_source import Position, merge_positions
+from torchtitan_ext.text.parquet_source import Position
 
 LOADER = "parquet_prefetch"
+
+
+def merge_positions(
+    positions: Sequence[Position], units_of: Callable[[int], list[Unit]]
+) -> Position:
+    """The position, at any new degree, that continues the old slots' ``positions`` (slot ``s``
+    of ``len(positions)``): the lowest epoch among them, whose phases gain one phase made of the
+    old slots' progress. Slots already in a later epoch count as having finished the earlier
+    one, and what they read of the later epochs becomes a phase of those epochs (``ahead``), so
+    no row of any epoch is read twice or lost, whatever epochs the old slots were in. The new
+    slot starts its deal at ``Progress(0, 0)``. ``units_of(epoch)``: :func:`epoch_units`."""
+    n = len(positions)
+    lo, hi = min(p.epoch for p in positions), max(p.epoch for p in positions)
+
+    def known_phases(e: int) -> tuple[Phase, ...]:
+        for p in positions:  # any slot at e or before knows e's earlier phases
+            if p.epoch == e:
+                return p.phases
+            if p.epoch < e and e - p.epoch - 1 < len(p.ahead):
+                return p.ahead[e - p.epoch - 1]
+        return ()
+
+    per_epoch: list[tuple[Phase, ...]] = []
+    for e in range(lo, hi + 1):
+        phases = known_phases(e)
+        left = len(replay(units_of(e), phases))
+        prog = tuple(
+            Progress(len(range(s, left, n)), 0)
+            if p.epoch > e
+            else (p.progress if p.epoch == e else Progress())
+            for s, p in enumerate(positions)
+        )
+        touched = any(pr != Progress() for pr in prog)
+        per_epoch.append(phases + (Phase(prog),) if touched else phases)
+    later = next(p.ahead for p in positions if p.epoch == hi)
+    return Position(lo, per_epoch[0], Progress(), tuple(per_epoch[1:]) + later)
 
 
 def _summed(dicts: Sequence[dict[str, Any]], keep: bool) -> dict[str, int]:

@@ -23,7 +23,8 @@ Position (:class:`Position`, the stage's ``state()``), right after the last chun
 
 A position at the end of a deal is normalised to the start of the next epoch, which starts at
 the current degree with the phases of ``ahead[0]`` (none, normally). Resuming at another degree
-is :func:`merge_positions`: pure arithmetic over the old ranks' positions.
+is :func:`~torchtitan_ext.text.parquet_resume.merge_positions`: pure arithmetic over the old
+ranks' positions.
 
 Read-ahead. With ``read_ahead > 0`` the next ``read_ahead`` row groups are read *concurrently* by
 as many helper threads (pyarrow releases the GIL; ``use_threads=False`` keeps decoding on that
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -144,51 +145,30 @@ def epoch_units(rows: Sequence[int], epoch: int, seed: int, shuffle: bool) -> li
     return [Unit(int(i), 0, int(rows[i])) for i in order]
 
 
-def merge_positions(
-    positions: Sequence[Position], units_of: Callable[[int], list[Unit]]
-) -> Position:
-    """The position, at any new degree, that continues the old slots' ``positions`` (slot ``s``
-    of ``len(positions)``): the lowest epoch among them, whose phases gain one phase made of the
-    old slots' progress. Slots already in a later epoch count as having finished the earlier
-    one, and what they read of the later epochs becomes a phase of those epochs (``ahead``), so
-    no row of any epoch is read twice or lost, whatever epochs the old slots were in. The new
-    slot starts its deal at ``Progress(0, 0)``. ``units_of(epoch)``: :func:`epoch_units`."""
-    n = len(positions)
-    lo, hi = min(p.epoch for p in positions), max(p.epoch for p in positions)
-
-    def known_phases(e: int) -> tuple[Phase, ...]:
-        for p in positions:  # any slot at e or before knows e's earlier phases
-            if p.epoch == e:
-                return p.phases
-            if p.epoch < e and e - p.epoch - 1 < len(p.ahead):
-                return p.ahead[e - p.epoch - 1]
-        return ()
-
-    per_epoch: list[tuple[Phase, ...]] = []
-    for e in range(lo, hi + 1):
-        phases = known_phases(e)
-        left = len(replay(units_of(e), phases))
-        prog = tuple(
-            Progress(len(range(s, left, n)), 0)
-            if p.epoch > e
-            else (p.progress if p.epoch == e else Progress())
-            for s, p in enumerate(positions)
-        )
-        touched = any(pr != Progress() for pr in prog)
-        per_epoch.append(phases + (Phase(prog),) if touched else phases)
-    later = next(p.ahead for p in positions if p.epoch == hi)
-    return Position(lo, per_epoch[0], Progress(), tuple(per_epoch[1:]) + later)
-
-
 # ---------------------------------------------------------------------------- the stage
 @dataclass
 class _Tally:
-    """What whole epochs without a usable document read (the no-endless-spin check)."""
+    """What whole epochs read (the no-endless-spin check): one epoch's, or a streak of them
+    without a usable document."""
 
     epochs: int = 0
     rows: int = 0
+    docs: int = 0
     skips: Counter = field(default_factory=Counter)
     groups: set[int] = field(default_factory=set)
+
+    def add(self, unit: Unit, texts: list[str], rows: int, skips: list) -> None:
+        self.groups.add(unit.id)
+        self.docs += len(texts)
+        self.rows += rows
+        for reason, _, k in skips:
+            self.skips[reason] += k
+
+    def merge(self, other: _Tally) -> None:
+        self.epochs += 1
+        self.rows += other.rows
+        self.skips.update(other.skips)
+        self.groups |= other.groups
 
 
 @dataclass
@@ -197,6 +177,17 @@ class _Step:
     unit: Unit
     last: bool  # the last unit of this slot's deal of the epoch
     fut: Future | None = None
+
+
+def _after(step: _Step, rows_done: int) -> Position:
+    """The position after ``rows_done`` rows of ``step``'s unit (the next epoch's start after
+    the last row of the deal)."""
+    p = step.pos
+    if step.unit.lo + rows_done < step.unit.hi:
+        return Position(p.epoch, p.phases, Progress(p.progress.units_done, rows_done), p.ahead)
+    if step.last:
+        return Position(p.epoch, p.phases, Progress(), p.ahead).next_epoch()
+    return Position(p.epoch, p.phases, Progress(p.progress.units_done + 1, 0), p.ahead)
 
 
 class ParquetSource(Stage[Chunk]):
@@ -354,8 +345,7 @@ class ParquetSource(Stage[Chunk]):
         )
         steps = self._walk(start)
         pending: deque[_Step | Position] = deque()
-        whole, docs, streak = start.whole, 0, _Tally()
-        rows, skips, groups = 0, Counter(), set()
+        whole, epoch, streak = start.whole, _Tally(), _Tally()
         try:
             while not stop.is_set():
                 while len(pending) <= self.read_ahead:
@@ -371,49 +361,39 @@ class ParquetSource(Stage[Chunk]):
                     return
                 step = pending.popleft()
                 if isinstance(step, Position):  # an epoch ends
-                    if whole and docs == 0 and self.options.infinite:  # a pass just ends
-                        streak.epochs += 1
-                        streak.rows += rows
-                        streak.skips.update(skips)
-                        streak.groups |= groups
-                        if not self.options.shuffle or len(streak.groups) == len(self._rows):
-                            raise NoUsableDocuments(self._no_documents(streak))
-                    else:
-                        streak = _Tally()
-                    whole, docs, rows, skips, groups = True, 0, 0, Counter(), set()
+                    streak = self._check_epoch(streak, epoch if whole else None)
+                    whole, epoch = True, _Tally()
                     continue
                 while step.fut is not None and not step.fut.done():
                     if stop.is_set():  # interrupted while waiting for a read
                         return
                     wait_futures([step.fut], timeout=0.05)
-                groups.add(step.unit.id)
                 u, p = step.unit, step.pos
-                g = self.files.row_groups[u.id]
+                epoch.groups.add(u.id)  # also an empty one: the streak must cover every group
                 done = p.progress.rows_done
+                g = self.files.row_groups[u.id]
                 for texts, n, sk in self.files.chunks(
                     g, u.lo + done, u.hi, self.chunk_rows, step.fut
                 ):
                     done += n
-                    docs += len(texts)
-                    rows += n
-                    for reason, _, k in sk:
-                        skips[reason] += k
-                    if u.lo + done < u.hi:
-                        after = Position(
-                            p.epoch, p.phases, Progress(p.progress.units_done, done), p.ahead
-                        )
-                    elif step.last:
-                        after = Position(p.epoch, p.phases, Progress(), p.ahead).next_epoch()
-                    else:
-                        after = Position(
-                            p.epoch, p.phases, Progress(p.progress.units_done + 1, 0), p.ahead
-                        )
+                    epoch.add(u, texts, n, sk)
+                    after = _after(step, done)
                     yield Chunk(texts, n, sk, after)
                     if stop.is_set():
                         return
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    def _check_epoch(self, streak: _Tally, epoch: _Tally | None) -> _Tally:
+        """The streak of whole epochs without a usable document, after ``epoch`` (None: not a
+        whole epoch); raises NoUsableDocuments once the streak proves there is none to read."""
+        if epoch is None or epoch.docs or not self.options.infinite:  # a pass just ends
+            return _Tally()
+        streak.merge(epoch)
+        if not self.options.shuffle or len(streak.groups) == len(self._rows):
+            raise NoUsableDocuments(self._no_documents(streak))
+        return streak
 
     def _no_documents(self, t: _Tally) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(t.skips.items())) or "none"
