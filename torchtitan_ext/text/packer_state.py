@@ -1,7 +1,7 @@
 """The packer's part of the Parquet loader's state, in two forms, and its re-deal to other ranks.
 
 * **Live** (:func:`live`) — what the tokenize + pack stage's ``state()`` holds after every batch:
-  shallow (~20-40 us for 1000 buffered documents, in the loader's thread); the document arrays
+  shallow (~20 us for 1000 buffered documents, in the loader's thread); the document arrays
   are shared with the packer, which never modifies them after insertion.
 * **Compact** (:func:`compact`) — what a checkpoint holds: the buffered documents concatenated
   as ``int32`` (``int64`` only for ids past 2**31), their lengths (``int32``) and, for the
@@ -41,13 +41,14 @@ def live(packer: BestFitPacker | ConcatSplitPacker) -> dict[str, Any]:
     """A shallow, immutable capture of ``packer`` (a tree of ints, lists and arrays)."""
     snap = packer.snapshot()
     if isinstance(packer, BestFitPacker):
-        keys, docs = snap["keys"], snap["docs"]
+        docs = snap["docs"]  # by insertion number, in insertion order (C-speed copies)
         return {
             "kind": 0 if packer.mode == "crop" else 1,
             "row_len": packer.row_len,
             "next_seq": snap["next_seq"],
-            "keys": keys,
-            "docs": [docs[s] for _, s in keys],
+            "keys": snap["keys"],
+            "doc_seqs": list(docs),
+            "docs": list(docs.values()),
             "counters": snap["counters"],
         }
     return {
@@ -69,7 +70,11 @@ def compact(ps: dict[str, Any]) -> dict[str, Any]:
     if "tokens" in ps:
         return ps
     out = {"kind": int(ps["kind"]), "row_len": int(ps["row_len"]), "counters": dict(ps["counters"])}
-    pieces = ps["docs"] if "docs" in ps else ps["segs"]
+    if "docs" in ps:  # best-fit: the documents in key order (length, insertion number)
+        by_seq = dict(zip(ps["doc_seqs"], ps["docs"], strict=True))
+        pieces = [by_seq[int(s)] for _, s in ps["keys"]]
+    else:
+        pieces = ps["segs"]
     out["lengths"] = np.array([x.size for x in pieces], dtype=np.int32)
     out["tokens"] = _small(np.concatenate(pieces) if pieces else np.zeros(0, np.int64))
     if "docs" in ps:

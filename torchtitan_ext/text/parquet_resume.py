@@ -45,7 +45,8 @@ def merge_positions(
     old slots' progress. Slots already in a later epoch count as having finished the earlier
     one, and what they read of the later epochs becomes a phase of those epochs (``ahead``), so
     no row of any epoch is read twice or lost, whatever epochs the old slots were in. The new
-    slot starts its deal at ``Progress(0, 0)``. ``units_of(epoch)``: :func:`epoch_units`."""
+    slot starts its deal at ``Progress(0, 0)``. ``units_of(epoch)``: the epoch's global order
+    (:func:`~torchtitan_ext.text.parquet_source.epoch_units`)."""
     n = len(positions)
     lo, hi = min(p.epoch for p in positions), max(p.epoch for p in positions)
 
