@@ -60,7 +60,7 @@ import torch
 from benchmarks.common import BenchArgs, Row, compare, interleave, percentile, row_from
 from benchmarks.text_corpus import build_corpus, corpus_files, gpt2_tokenizer_dir
 from torchtitan_ext.text.packing import make_packer
-from torchtitan_ext.text.parquet import ParquetSource
+from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
 from torchtitan_ext.text.tokenize import TextTokenizer
 
@@ -73,8 +73,8 @@ class SyncLoader:
     def __init__(self, corpus: Any, tok: TextTokenizer, delay_s: float = 0.0) -> None:
         self.tok = tok
         # read_ahead=0: the read really happens inside next(), as in a synchronous loader.
-        self.source = ParquetSource(corpus, val_files="none", read_delay_s=delay_s, read_ahead=0)
-        self.chunks = self.source.iter_chunks()
+        opts = ParquetOptions(val_files="none", read_ahead=0, chunk_rows=128)
+        self.chunks = ParquetSource(corpus, opts, read_delay_s=delay_s)
         self.packer = make_packer("best_fit", T, tok.bos_id)
 
     def __iter__(self) -> Iterator:
@@ -93,7 +93,7 @@ class SyncLoader:
         return {"input": tokens[:, :-1], "positions": positions[:, :-1]}, tokens[:, 1:]
 
     def close(self) -> None:
-        pass
+        self.chunks.close()
 
 
 def _torchtitan_loader(corpus, tok_dir: str, workers: int, delay_s: float = 0.0):

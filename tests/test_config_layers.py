@@ -168,17 +168,30 @@ def test_model_section_cli_beats_toml(tmp_path, key, toml_v, cli_v):
 
 def test_loader_config_defaults_are_the_loaders_own():
     """A default lives once: the torchtitan-facing Config and the framework-free class it builds
-    agree on every setting they share (the Config is what --help shows)."""
+    agree on every setting they share (the Config is what --help shows). The loaders' Configs
+    *are made of* their stages' options dataclasses, so their defaults are theirs by construction."""
     from torchtitan_ext.pipeline.prefetch import PrefetchOptions
-    from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
-    from torchtitan_ext.text.stream_stages import PackOptions, StreamOptions
+    from torchtitan_ext.text import pack_stage, stream_stages
+    from torchtitan_ext.text.parquet_source import ParquetOptions
 
-    # streaming_text's Config is made of its stages' options dataclasses: one default each
-    streaming = get_loader_config("streaming_text")
-    assert all(issubclass(streaming, o) for o in (StreamOptions, PackOptions, PrefetchOptions))
-    pairs = [(get_loader_config("parquet_prefetch"), PrefetchingParquetLoader)]
     checked = 0
-    for cfg_cls, impl in pairs:
+    made_of = {
+        "streaming_text": (stream_stages.StreamOptions, stream_stages.PackOptions, PrefetchOptions),
+        "parquet_prefetch": (ParquetOptions, pack_stage.PackOptions, PrefetchOptions),
+    }
+    for name, parts in made_of.items():
+        cfg = get_loader_config(name)
+        fields = {f.name: f for f in dataclasses.fields(cfg)}
+        for opts in parts:
+            assert issubclass(cfg, opts), f"{name} is not made of {opts.__name__}"
+            for f in dataclasses.fields(opts):
+                assert fields[f.name].default == f.default, f"{name}.{f.name}"
+                checked += 1
+    assert checked >= 20
+    # a keyword constructor that repeats defaults must agree with them
+    from torchtitan_ext.text.streaming import StreamingTextDataset
+
+    for cfg_cls, impl in [(get_loader_config("streaming_text"), StreamingTextDataset)]:
         params = inspect.signature(impl.__init__).parameters
         for f in dataclasses.fields(cfg_cls):
             p = params.get(f.name)
@@ -188,7 +201,6 @@ def test_loader_config_defaults_are_the_loaders_own():
                 f"{cfg_cls.__qualname__}.{f.name}: {f.default!r} != {p.default!r}"
             )
             checked += 1
-    assert checked >= 12  # parquet_prefetch alone (streaming_text is checked above)
 
 
 # ------------------------------------------------------------------------------ older section names

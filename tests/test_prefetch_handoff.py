@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_ext.pipeline import priority as prio
-from torchtitan_ext.text.prefetch import _ReadyQueue
+from torchtitan_ext.pipeline.handoff import _ReadyQueue
 from torchtitan_ext.pipeline.priority import ThreadGroupPriority, can_leave_idle
 
 linux_only = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")

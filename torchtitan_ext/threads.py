@@ -1,7 +1,7 @@
 """Background threads that feed a consumer: stop-aware hand-off, error relay and bounded join.
 
-The package runs its producers in daemon threads (:mod:`~torchtitan_ext.text.prefetch`'s
-producer, :mod:`~torchtitan_ext.pipeline.prefetch`'s thread (device staging's too),
+The package runs its producers in daemon threads (:mod:`~torchtitan_ext.pipeline.prefetch`'s
+thread, which device staging shares or runs as its own,
 :mod:`~torchtitan_ext.tokenizer.pretokenize`'s reader). Each needs the same three things, and this
 module is their one home:
 

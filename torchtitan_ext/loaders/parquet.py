@@ -4,9 +4,15 @@ Registered as ``parquet_prefetch`` (``[dataloader] name = "parquet_prefetch"`` i
 the default loader of the main job. The Trainer builds it with
 ``config.dataloader.build(dp_world_size=, dp_rank=, tokenizer=, seq_len=, local_batch_size=,
 snapshot_every_n_steps=)``; everything about *how* batches are made lives in
-``torchtitan_ext.text``, this module only maps the Config onto it and speaks torchtitan's
-checkpoint format (one ``"dp_rank_{r}"`` key per rank plus ``"world_size"``, like
-``ParallelAwareDataloader``, but with a pickle-free value).
+``torchtitan_ext.text``. The Config is *made of* the stages' options (it inherits
+:class:`~torchtitan_ext.text.parquet_source.ParquetOptions`,
+:class:`~torchtitan_ext.text.pack_stage.PackOptions` and
+:class:`~torchtitan_ext.pipeline.prefetch.PrefetchOptions`: flat TOML keys, each documented once
+there) and hands each stage its own with :func:`torchtitan_ext.pipeline.stage.options`.
+
+Checkpoint: the one envelope of :mod:`torchtitan_ext.pipeline.checkpoint`, gathered from every DP
+rank when it is taken, resumable at any DP degree (:mod:`torchtitan_ext.text.parquet_resume`):
+bitwise at the same degree; at another, every document of the epoch exactly once.
 """
 
 from __future__ import annotations
@@ -14,11 +20,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
+from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.prefetch import PrefetchOptions
+from torchtitan_ext.pipeline.stage import State, options
+from torchtitan_ext.text.pack_stage import PackOptions
+from torchtitan_ext.text.parquet_resume import LOADER, resume_state
+from torchtitan_ext.text.parquet_source import ParquetOptions
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
 from torchtitan_ext.text.tokenize import TextTokenizer
 
@@ -29,7 +41,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
     """Parquet shards -> background read + tokenize -> BOS best-fit packed batches."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
+    class Config(BaseDataLoader.Config, ParquetOptions, PackOptions, PrefetchOptions):
         dataset: str = "parquet"
         """Informational name of the dataset (logged); the data comes from ``dataset_path``."""
 
@@ -41,67 +53,6 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         """A tokenizer dir or ``tokenizer.json`` overriding the Trainer's tokenizer (the one built
         from ``hf_assets_path``). ``None``: use the Trainer's, or the embedded corpus's tokenizer
         when the Trainer passes none and ``dataset_path`` is ``None``."""
-
-        text_column: str = "text"
-        """Parquet column holding the document text (string, or UTF-8 binary)."""
-
-        split: Literal["train", "val"] = "train"
-        """``"train"`` or ``"val"``. Use ``"val"`` for the validator's dataloader."""
-
-        val_files: str = "auto"
-        """Validation files: ``"auto"`` (``val*`` files, else the last shard), ``"last_shard"``,
-        ``"none"`` or a dir/glob. Always subtracted from the training files (no overlap), also
-        when the validator is off; the log names the files held out and the rule that chose
-        them."""
-
-        infinite: bool = True
-        """Cycle epochs forever (training). ``False``: one pass, then the iterator ends. Required
-        by torchtitan's validator, which calls ``replace(config, infinite=...)``."""
-
-        seed: int = 0
-        """Seed of each rank's per-epoch row-group order."""
-
-        shuffle: bool = True
-        """Reshuffle each rank's row groups every epoch (``False``: file order)."""
-
-        packing: Literal["best_fit", "zero_discard", "concat_split"] = "best_fit"
-        """``"best_fit"`` (BOS-aligned, crop the shortest), ``"zero_discard"`` (cropped tails
-        re-enter with their own BOS) or ``"concat_split"`` (plain concatenation)."""
-
-        buffer_docs: int = 1000
-        """Documents the best-fit packer holds to choose from (more: less crop, more memory)."""
-
-        queue_size: int = 8
-        """Ready batches the prefetch queue holds (the backpressure bound; ~0.26 MB each at
-        B=8, T=2048)."""
-
-        chunk_rows: int = 8
-        """Documents per tokenization call. Small on purpose: the Python work between two
-        GIL-releasing Rust calls is what the training loop can wait behind (measured on 2 cores:
-        p99 next() 2.7 ms at 32 documents, 0.4 ms at 8, same tokens/s)."""
-
-        read_ahead: int = 4
-        """Row groups read ahead by a helper I/O thread (hides slow storage; 0 = read inline)."""
-
-        tokenizer_parallelism: bool = False
-        """``False``: set ``TOKENIZERS_PARALLELISM=false`` for the process (unless already set) so
-        tokenization stays on the loader's one thread instead of a pool spanning every core that
-        the training loop then waits on (p99 next() 8-17 ms vs <1 ms measured on 2 cores)."""
-
-        thread_priority: Literal["adaptive", "idle", "normal"] = "adaptive"
-        """OS scheduling policy of the loader's threads. ``"adaptive"``: ``SCHED_IDLE`` while
-        the queue is full (a waking training thread then preempts them at once instead of queueing
-        behind them: measured on 2 cores, the loop's time lost outside ``next()`` fell from
-        0.5-0.9 % to ~0), normal as soon as it runs down to a quarter; used only where the
-        process may switch back (``CAP_SYS_NICE``), else normal. ``"idle"``: always idle; ``"normal"``: never
-        touched."""
-
-        on_bad_input: Literal["error", "skip"] = "error"
-        """``"error"``: raise on a bad record (naming file / row group / row); ``"skip"``: count
-        it under a reason (see ``get_stats()['docs_skipped']``)."""
-
-        add_eos: bool = False
-        """Also append EOS to each document (BOS is always prefixed)."""
 
         bos_token: str | None = None
         """The token string that starts every document and row (BOS), e.g. ``"<|endoftext|>"``
@@ -142,38 +93,23 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         self.config = config
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
-        self._rank_id = f"dp_rank_{dp_rank}"
-        self._build_kwargs = dict(
-            path=path,
-            tokenizer=tok,
+        self.loader = PrefetchingParquetLoader(
+            path,
+            tok,
             seq_len=int(seq_len),
             batch_size=int(local_batch_size),
-            text_column=config.text_column,
-            split=config.split,
-            val_files=config.val_files,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
-            seed=config.seed,
-            shuffle=config.shuffle,
-            infinite=config.infinite,
-            packing=config.packing,
-            buffer_docs=config.buffer_docs,
-            queue_size=config.queue_size,
-            chunk_rows=config.chunk_rows,
-            read_ahead=config.read_ahead,
-            tokenizer_parallelism=config.tokenizer_parallelism,
-            thread_priority=config.thread_priority,
-            on_bad_input=config.on_bad_input,
-            add_eos=config.add_eos,
+            source=options(ParquetOptions, config),
+            pack=options(PackOptions, config),
+            prefetch=options(PrefetchOptions, config),
         )
-        self.loader = PrefetchingParquetLoader(**self._build_kwargs)
         logger.info(f"parquet_prefetch: {self.loader.source.describe()}")
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        if self.loader._done:
+        if self.loader.done:
             # A finished single pass: a new iter() starts a new pass (validation reuse).
-            self.loader.close()
-            self.loader = PrefetchingParquetLoader(**self._build_kwargs)
+            self.loader.reset(None)
         return iter(self.loader)
 
     def __next__(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -185,23 +121,28 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
     def close(self) -> None:
         self.loader.close()
 
+    # ------------------------------------------------------------------ checkpoint
+    def rank_state(self) -> State:
+        """This DP rank's state (no collective)."""
+        return self.loader.rank_state()
+
     def state_dict(self) -> dict[str, Any]:
-        # Per-rank key like torchtitan's ParallelAwareDataloader: DCP de-duplicates identical
-        # non-tensor keys across ranks, so a shared key would keep only one rank's state.
-        return {self._rank_id: self.loader.state_dict(), "world_size": self.dp_world_size}
+        """The one checkpoint envelope, holding every DP rank's state (one ``all_gather_object``
+        when torch.distributed is initialised): identical on every rank, so DCP keeps one copy
+        and a resume at another DP degree sees every old rank's position."""
+        ranks = checkpoint.gather(self.rank_state(), self.dp_rank, self.dp_world_size)
+        return checkpoint.envelope(LOADER, ranks, "any")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`'s value, at this or another DP degree; an empty value
+        is a fresh start; another format is refused in one line (``LoaderStateError``)."""
         if not state_dict:
             return  # an empty state is valid (fresh start), as in torchtitan
-        if self._rank_id not in state_dict:
-            logger.warning(
-                f"dataloader state has no key {self._rank_id!r} (keys: {sorted(state_dict)}); "
-                "starting this rank's data stream from the beginning"
-            )
-            return
-        if int(state_dict["world_size"]) != self.dp_world_size:
-            raise ValueError(
-                f"dataloader state was saved with dp_world_size={int(state_dict['world_size'])}, "
-                f"now {self.dp_world_size}: resharding a resumed data stream is not supported"
-            )
-        self.loader.load_state_dict(state_dict[self._rank_id])
+        ranks = checkpoint.open_envelope(state_dict, LOADER, self.dp_world_size)
+        state = resume_state(
+            ranks, self.dp_rank, self.dp_world_size, self.loader.source.epoch_units
+        )
+        try:
+            self.loader.reset(state)
+        except (KeyError, ValueError) as e:
+            raise checkpoint.LoaderStateError(f"{LOADER}: cannot resume this state: {e}") from e

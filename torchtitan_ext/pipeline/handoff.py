@@ -1,7 +1,7 @@
 """The prefetching loader's hand-off: a bounded queue whose ``get`` never wakes the producer.
 
-Used by :mod:`~torchtitan_ext.text.producer` (which puts) and
-:class:`~torchtitan_ext.text.prefetch.PrefetchingParquetLoader` (whose ``next()`` gets). Its
+Used by :class:`~torchtitan_ext.pipeline.prefetch.Prefetch` (its thread puts, its ``next()``
+gets). Its
 wake-up policy is what keeps the training loop's ``next()`` in microseconds, so it is kept
 apart from the generic stop-aware hand-off of :mod:`torchtitan_ext.threads`; it takes the same
 stop event.

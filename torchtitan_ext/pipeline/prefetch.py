@@ -66,7 +66,8 @@ Other duties, each in one place:
 * **Thread policy** — :mod:`~torchtitan_ext.pipeline.priority` (``thread_priority``): idle
   while the queue is full, normal when it runs low; the upstream's helper threads join the group.
 * **Shutdown** — ``close()``, ``with``, and a ``weakref.finalize`` (also at interpreter exit) set
-  the stop event and join the thread under a deadline (:func:`torchtitan_ext.threads.join`); the
+  the stop event, :meth:`~torchtitan_ext.pipeline.stage.Stage.interrupt` the upstream chain (a
+  source waiting for a slow read returns at once) and join the thread under a deadline (:func:`torchtitan_ext.threads.join`); the
   thread holds no reference to the stage, so dropping the stage stops it.
 """
 
@@ -174,6 +175,7 @@ class _Worker:
 
     def stop(self, timeout: float) -> bool:
         self.stop_event.set()
+        self.upstream.interrupt()  # a stage waiting for a read returns now, not after it
         self.q.clear()
         return not threads.join([self.thread], timeout, logger, "left running as a daemon")
 

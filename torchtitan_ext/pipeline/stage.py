@@ -84,6 +84,14 @@ class Stage(Generic[T]):
         it handed over while its thread runs ahead. A stage adds its own to its upstream's."""
         return self.upstream.stats(state) if self.upstream is not None else {}
 
+    def interrupt(self) -> None:
+        """Called by a prefetching stage, from another thread, when it stops its thread: a stage
+        that may block for long inside ``next()`` (waiting for a read) should return promptly
+        (ending its stream early is fine: the prefetching stage resets the chain before it runs
+        it again). Must be thread-safe and cheap. Default: pass it on."""
+        if self.upstream is not None:
+            self.upstream.interrupt()
+
     def join_threads(self, group: Any) -> None:
         """Called by a prefetching stage before it runs this chain in its thread: helper threads
         this stage starts (read-ahead) should join ``group``
