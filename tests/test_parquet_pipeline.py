@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.support.loader_specs import PQ_SEQ_LEN, doc_ids_of, parquet_id_corpus
 from tests.support.resume import LoaderSpec, assert_resume_exact, save, take
-from torchtitan_ext.data.embedded import ensure_embedded_data
 from torchtitan_ext.pipeline import checkpoint
 from torchtitan_ext.pipeline.elastic import Progress, deal, replay
 from torchtitan_ext.pipeline.prefetch import PrefetchOptions
@@ -24,52 +23,14 @@ from torchtitan_ext.text.diversity import DiversityMeter
 from torchtitan_ext.text.pack_stage import PackOptions
 from torchtitan_ext.text.parquet_resume import merge_positions
 from torchtitan_ext.text.parquet_source import ParquetOptions, Position, epoch_units
-from torchtitan_ext.text.tokenize import TextTokenizer
 
-FILES, GROUPS, ROWS = 3, 10, 10  # 30 row groups of 10 documents
-SEQ_LEN = 24  # rows of 25 tokens; every document is 10 tokens (BOS + 9 times its word)
+SEQ_LEN = PQ_SEQ_LEN
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, Path, dict[int, int]]:
-    """Parquet shards of documents whose id is recoverable from any of their tokens: document
-    ``i`` is one single-token word, nine times. Returns (data dir, tokenizer dir, token -> id).
-
-    With 10-token documents in 25-token rows a document starts at a multiple of 5 in its row
-    (also after an elastic re-deal of concat-split runs, whose heads are 5-token rests), so the
-    token after its BOS is always in the same row: a batch names every document starting in it."""
-    tok_dir = ensure_embedded_data() / "tokenizer"
-    tok = TextTokenizer.from_path(tok_dir)
-    vocab = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    words = sorted(w for w in vocab if w.startswith("Ġ") and w[1:].isascii() and w[1:].isalpha())
-    n = FILES * GROUPS * ROWS
-    texts, token_of = [], {}
-    for w in words:
-        text = (" " + w[1:]) * 9
-        if tok.encode_arrays([text], add_bos=False)[0].tolist() == [vocab[w]] * 9:
-            token_of[len(texts)] = vocab[w]
-            texts.append(text)
-        if len(texts) == n:
-            break
-    assert len(texts) == n
-    root = tmp_path_factory.mktemp("docs")
-    per_file = GROUPS * ROWS
-    for f in range(FILES):
-        table = pa.table({"text": texts[f * per_file : (f + 1) * per_file]})
-        pq.write_table(table, root / f"train-{f}.parquet", row_group_size=ROWS)
-    return root, tok_dir, {t: i for i, t in token_of.items()}
-
-
-def doc_ids_of(id_of: dict[int, int]):
-    def doc_ids(batch) -> list[int]:
-        inputs, labels = batch
-        rows = torch.cat([inputs["input"], labels[:, -1:]], 1)
-        out = []
-        for row in rows.tolist():
-            out += [id_of[row[p + 1]] for p in range(len(row) - 1) if row[p] == 0]  # BOS id 0
-        return out
-
-    return doc_ids
+    """See :func:`tests.support.loader_specs.parquet_id_corpus`."""
+    return parquet_id_corpus(tmp_path_factory.mktemp("docs"))
 
 
 def _spec(corpus, packing: str) -> LoaderSpec:

@@ -109,3 +109,118 @@ def toy_jsonl(variant: Variant, root: Path) -> LoaderSpec:
         doc_ends=lambda batch: batch[0]["doc_ends"].tolist(),
         epoch_docs=set(range(ndocs)),
     )
+
+
+# ------------------------------------------------------------------------------ parquet_prefetch
+PQ_FILES, PQ_GROUPS, PQ_ROWS = 3, 10, 10  # 30 row groups of 10 documents
+PQ_SEQ_LEN = 24  # rows of 25 tokens; every document is 10 tokens (BOS + 9 times its word)
+
+
+def parquet_id_corpus(root: Path) -> tuple[Path, Path, dict[int, int]]:
+    """Parquet shards of documents whose id is recoverable from any of their tokens: document
+    ``i`` is one single-token word, nine times. Returns (data dir, tokenizer dir, token -> id).
+
+    With 10-token documents in 25-token rows a document starts at a multiple of 5 in its row
+    (also after an elastic re-deal of concat-split runs, whose heads are 5-token rests), so the
+    token after its BOS is always in the same row: a batch names every document starting in it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchtitan_ext.data.embedded import ensure_embedded_data
+    from torchtitan_ext.text.tokenize import TextTokenizer
+
+    tok_dir = ensure_embedded_data() / "tokenizer"
+    tok = TextTokenizer.from_path(tok_dir)
+    vocab = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    words = sorted(w for w in vocab if w.startswith("Ġ") and w[1:].isascii() and w[1:].isalpha())
+    n = PQ_FILES * PQ_GROUPS * PQ_ROWS
+    texts, token_of = [], {}
+    for w in words:
+        text = (" " + w[1:]) * 9
+        if tok.encode_arrays([text], add_bos=False)[0].tolist() == [vocab[w]] * 9:
+            token_of[len(texts)] = vocab[w]
+            texts.append(text)
+        if len(texts) == n:
+            break
+    assert len(texts) == n
+    per_file = PQ_GROUPS * PQ_ROWS
+    for f in range(PQ_FILES):
+        table = pa.table({"text": texts[f * per_file : (f + 1) * per_file]})
+        pq.write_table(table, root / f"train-{f}.parquet", row_group_size=PQ_ROWS)
+    return root, tok_dir, {t: i for i, t in token_of.items()}
+
+
+def doc_ids_of(id_of: dict[int, int]) -> Callable[[Any], list[int]]:
+    """Documents starting in a batch of the ``parquet_id_corpus`` (the token after each BOS)."""
+
+    def doc_ids(batch: Any) -> list[int]:
+        inputs, labels = batch
+        rows = torch.cat([inputs["input"], labels[:, -1:]], 1)
+        out = []
+        for row in rows.tolist():
+            out += [id_of[row[p + 1]] for p in range(len(row) - 1) if row[p] == 0]  # BOS id 0
+        return out
+
+    return doc_ids
+
+
+@builder("parquet_prefetch")
+def parquet_prefetch(variant: Variant, root: Path) -> LoaderSpec:
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+
+    if variant.workers:
+        raise Unsupported("thread-only loader (one Prefetch thread, no worker processes)")
+    data, tok_dir, id_of = parquet_id_corpus(root)
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = PrefetchingParquetDataLoader.Config(
+            dataset_path=str(data), tokenizer_path=str(tok_dir), val_files="none",
+            infinite=infinite, packing="concat_split", buffer_docs=4, chunk_rows=4,
+            queue_size=2, seed=3,
+        )  # fmt: skip
+        return cfg.build(
+            dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=PQ_SEQ_LEN,
+            local_batch_size=2,
+        )  # fmt: skip
+
+    return LoaderSpec(
+        "parquet_prefetch",
+        staged(build) if variant.staging else build,
+        doc_ids_of(id_of),
+        set(id_of.values()),
+    )
+
+
+# ------------------------------------------------------------------------------ streaming_text
+def streaming_doc_starts(batch: Any) -> list[int]:
+    """Documents starting in a ``emit_doc_ids`` batch: offset 0, or offset 1 at a row's first
+    input token (it began on the previous row's label-only last token)."""
+    x, _ = batch
+    ids, offs = x["doc_ids"], x["doc_offsets"]
+    start = offs == 0
+    start[:, 0] |= offs[:, 0] == 1
+    return ids[start & (ids >= 0)].tolist()
+
+
+@builder("streaming_text")
+def streaming_text(variant: Variant, root: Path) -> LoaderSpec:
+    from tests.test_streaming import make_docs, write_parquet
+    from torchtitan_ext.data.embedded import ensure_embedded_data
+    from torchtitan_ext.loaders.streaming import StreamingTextDataLoader
+
+    tok_dir = ensure_embedded_data() / "tokenizer"
+    src = write_parquet(root / "data", make_docs(96, seed=1), 4)
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = StreamingTextDataLoader.Config(
+            dataset_path=src, tokenizer_path=str(tok_dir), num_workers=variant.workers,
+            shuffle_buffer=8, emit_doc_ids=True, infinite=infinite,
+        )  # fmt: skip
+        return cfg.build(dp_rank=rank, dp_world_size=world, seq_len=16, local_batch_size=4)
+
+    return LoaderSpec(
+        "streaming_text",
+        staged(build) if variant.staging else build,
+        streaming_doc_starts,
+        set(range(96)),
+    )

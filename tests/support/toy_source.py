@@ -123,8 +123,9 @@ class ToyJsonlLoader:
     def rank_state(self) -> State:
         return self.pipeline.state()
 
-    def state_dict(self) -> dict[str, Any]:
-        ranks = checkpoint.gather(self.rank_state(), self.rank, self.world)
+    def state_dict(self, rank_state: State = None) -> dict[str, Any]:
+        mine = self.rank_state() if rank_state is None else rank_state
+        ranks = checkpoint.gather(mine, self.rank, self.world)
         return checkpoint.envelope(self.name, ranks, "any")
 
     def load_state_dict(self, value: dict[str, Any]) -> None:

@@ -194,6 +194,16 @@ class AsyncDeviceLoader(Stage[Any]):
         if self._snapshot_enabled and not has_state:
             raise TypeError(f"snapshot_state=True but {type(loader).__name__} has no state_dict()")
         self._fused = _prefetch_of(loader)
+        # Own hand-off over one of this package's loader adapters (``rank_state()`` +
+        # ``state_dict(rank_state=)``, e.g. a loader whose workers are processes): the snapshot
+        # per batch is its rank state (cheap, no collective); the checkpoint envelope, whose
+        # gather IS a collective at DP > 1, is made from it only when state_dict() is called,
+        # on the caller's thread, never per batch in ours.
+        self._rank_states = (
+            self._fused is None
+            and self._snapshot_enabled
+            and callable(getattr(loader, "rank_state", None))
+        )
         depth = self._fused.queue_size if self._fused is not None else num_buffers
         self._stats = _Stats()
         self._copier: _Copier | None = None
@@ -236,7 +246,9 @@ class AsyncDeviceLoader(Stage[Any]):
     def _hand_off(self) -> Prefetch:
         if self._pf is None:
             self._pf = Prefetch(
-                LoaderStage(self.loader, self._snapshot_enabled, self._stats),
+                LoaderStage(
+                    self.loader, self._snapshot_enabled, self._stats, rank_states=self._rank_states
+                ),
                 # "normal": the loader may start processes or threads from this one (a
                 # DataLoader's workers at a new epoch), which would inherit an idle policy
                 PrefetchOptions(queue_size=self.num_buffers, thread_priority="normal"),
@@ -358,6 +370,8 @@ class AsyncDeviceLoader(Stage[Any]):
             )
         if self._fused is not None:
             return self.loader.state_dict()  # type: ignore[attr-defined]
+        if self._rank_states:
+            return self.loader.state_dict(rank_state=copy.deepcopy(self.state()))  # type: ignore[attr-defined]
         return copy.deepcopy(self.state())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -367,12 +381,22 @@ class AsyncDeviceLoader(Stage[Any]):
         self._restart()
         if self._fused is not None:
             self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
+        elif self._rank_states:
+            # the loader reads the envelope itself (any DP degree); our thread must not run
+            # meanwhile, and the next hand-off starts from the loaded position
+            if self._pf is not None:
+                self._pf.close(_JOIN_TIMEOUT_S)
+                self._pf = None
+            self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
         else:
             self._hand_off().reset(state_dict)
 
     def rank_state(self) -> State:
-        """Fused: the wrapped loader's ``rank_state()`` (this DP rank's state for the one
-        checkpoint envelope). The own hand-off has only ``state_dict()``."""
+        """This DP rank's state for the one checkpoint envelope, as of the last batch handed out:
+        fused, the wrapped loader's ``rank_state()``; own hand-off over a loader that has one,
+        its snapshot. Other loaders have only ``state_dict()``."""
+        if self._rank_states:
+            return self.state()
         if self._fused is None:
             raise TypeError(
                 f"rank_state(): {type(self.loader).__name__} is not topped by a Prefetch; "

@@ -126,11 +126,13 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         """This DP rank's state (no collective)."""
         return self.loader.rank_state()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, rank_state: Any = None) -> dict[str, Any]:
         """The one checkpoint envelope, holding every DP rank's state (one ``all_gather_object``
         when torch.distributed is initialised): identical on every rank, so DCP keeps one copy
-        and a resume at another DP degree sees every old rank's position."""
-        ranks = checkpoint.gather(self.rank_state(), self.dp_rank, self.dp_world_size)
+        and a resume at another DP degree sees every old rank's position. ``rank_state``: the
+        envelope of that state of this rank (a wrapper's snapshot) instead of the current one."""
+        mine = self.rank_state() if rank_state is None else rank_state
+        ranks = checkpoint.gather(mine, self.dp_rank, self.dp_world_size)
         return checkpoint.envelope(LOADER, ranks, "any")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -157,9 +157,11 @@ class StreamingTextDataLoader(BaseDataLoader):
         st = self.stage.state()
         return st if self.config.num_workers > 0 else {"workers": [st], "next": 0}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The one envelope, identical on every rank (one gather at checkpoint time)."""
-        ranks = checkpoint.gather(self.rank_state(), self.dp_rank, self.dp_world_size)
+    def state_dict(self, rank_state: Any = None) -> dict[str, Any]:
+        """The one envelope, identical on every rank (one gather at checkpoint time); of
+        ``rank_state`` (a wrapper's snapshot) when given, else of the current state."""
+        mine = self.rank_state() if rank_state is None else rank_state
+        ranks = checkpoint.gather(mine, self.dp_rank, self.dp_world_size)
         return checkpoint.envelope(NAME, ranks, "any")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

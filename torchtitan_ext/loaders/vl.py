@@ -152,8 +152,10 @@ class CachedVLDataLoader(BaseDataLoader):
         """This rank's state: the global position (the same on every rank)."""
         return self.reader.rank_state()
 
-    def state_dict(self) -> dict[str, Any]:
-        return checkpoint.envelope(LOADER, [self.rank_state()] * self.dp_world_size, "any")
+    def state_dict(self, rank_state: Any = None) -> dict[str, Any]:
+        """The one checkpoint envelope (of ``rank_state``, a wrapper's snapshot, when given)."""
+        mine = self.rank_state() if rank_state is None else rank_state
+        return checkpoint.envelope(LOADER, [mine] * self.dp_world_size, "any")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
