@@ -13,7 +13,9 @@ documents of one pass.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,11 @@ class Unsupported(Exception):
 
 
 Builder = Callable[[Variant, Path], LoaderSpec]
+"""``(variant, scratch directory) -> spec``; a builder whose data needs a context (an
+environment variable, a built cache) enters it on :data:`CONTEXTS`, closed after the module."""
+
+CONTEXTS = contextlib.ExitStack()
+_SHARED: dict[str, Any] = {}  # data several variants of one builder share (built once)
 BUILDERS: dict[str, Builder] = {}
 
 
@@ -224,3 +231,78 @@ def streaming_text(variant: Variant, root: Path) -> LoaderSpec:
         streaming_doc_starts,
         set(range(96)),
     )
+
+
+# ------------------------------------------------------------------------------ cached_vl
+@builder("cached_vl")
+def cached_vl(variant: Variant, root: Path) -> LoaderSpec:
+    from tests.support.vl_sample import sample_cache
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+    from torchtitan_ext.vl.cache import VLCache
+
+    class _Root:  # sample_cache's tmp_path_factory: one directory under ``root``
+        @staticmethod
+        def mktemp(name: str) -> Path:
+            (root / name).mkdir()
+            return root / name
+
+    if "vl" not in _SHARED:  # one cache for every variant
+        before = os.environ.get("TORCHTITAN_EXT_CACHE")
+        env = CONTEXTS.enter_context(sample_cache(_Root, "vl", n=48, buckets=(512, 768)))
+        env["home"] = os.environ["TORCHTITAN_EXT_CACHE"]
+        _set_env("TORCHTITAN_EXT_CACHE", before)  # set again only while a loader is built
+        _SHARED["vl"] = env
+    env = _SHARED["vl"]
+    home = env["home"]
+    cache = VLCache.open(env["path"])
+    pad = int(cache.special_tokens["pad_id"])
+
+    def key(row: list[int]) -> tuple[int, ...]:  # a pack: its tokens without trailing padding
+        n = len(row)
+        while n and row[n - 1] == pad:
+            n -= 1
+        return tuple(row[:n])
+
+    ids = {key(cache.pack(i)["input_ids"].tolist()): i for i in range(len(cache))}
+    assert len(ids) == len(cache), "the sample packs are distinct"
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = CachedVLDataLoader.Config(
+            dataset_path=str(env["data"]), cache_dir=str(env["cache_dir"]), buffer_size=8,
+            buckets=[512, 768], queue_size=3, num_workers=variant.workers, infinite=infinite,
+        )  # fmt: skip
+        with _env("TORCHTITAN_EXT_CACHE", home):
+            return cfg.build(
+                dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=1024,
+                local_batch_size=1,
+            )  # fmt: skip
+
+    def doc_ids(batch: Any) -> list[int]:
+        inp, _ = batch
+        return [ids[key(row.tolist())] for row in inp["input"]]
+
+    return LoaderSpec(
+        "cached_vl",
+        staged(build) if variant.staging else build,
+        doc_ids,
+        set(ids.values()),
+        steps=1,  # ~10 packs of 1 per batch: every phase of 2 -> 3 -> 1 stays inside the epoch
+    )
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Any:
+    """``name=value`` while the block runs; afterwards what it was (``value`` None: unset)."""
+    old = os.environ.get(name)
+    _set_env(name, value)
+    try:
+        yield
+    finally:
+        _set_env(name, old)

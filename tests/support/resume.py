@@ -48,6 +48,9 @@ class LoaderSpec:
     build: Callable[[int, int, bool], Any]
     doc_ids: Callable[[Any], list[int]] | None = None
     epoch_docs: set[int] = field(default_factory=set)
+    steps: int | None = None
+    """Batches per rank per phase a matrix run should read (None: its default); a loader whose
+    test data holds few batches per epoch says fewer, so every phase stays inside the epoch."""
     doc_ends: Callable[[Any], list[int]] | None = None
 
 
