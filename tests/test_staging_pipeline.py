@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.support.resume import LoaderSpec, assert_resume_exact, same
+from tests.support.resume import LoaderSpec, assert_resume_exact, same, take
 from torchtitan_ext.device.staging import AsyncDeviceLoader, wrap_for_device
 from torchtitan_ext.pipeline import checkpoint
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
@@ -125,8 +125,13 @@ class ListLoader:
         self.i = int(sd["i"])
 
 
+# Library threads started once per process on first use, not ours: the thread policy's probe,
+# tqdm's monitor (HF datasets' progress bars, started by the streaming loader's first read).
+_NOT_OURS = ("sched-idle-probe", "tqdm_monitor")
+
+
 def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name != "sched-idle-probe"}
+    return {t for t in threading.enumerate() if t.name not in _NOT_OURS}
 
 
 def _wait_until(pred, timeout: float = 30.0) -> None:
@@ -337,3 +342,51 @@ def test_text_staging_benchmark_quick_smoke():
         assert rows["threads added: before, staged"].value == alone + 2
         # per batch the source made meanwhile: short runs skew it by the loader's lead
         assert rows["snapshots per batch: before, staged"].value > 1.5
+
+
+# ------------------------------------------------------- the package's own text loaders under it
+@pytest.mark.parametrize("loader,workers", [("parquet_prefetch", 0), ("streaming_text", 0)])
+def test_text_adapters_are_fused_no_thread_added(tmp_path, loader, workers):
+    """torchtitan's text adapters expose their Prefetch as ``.pipeline``: staging adds no
+    thread over them (before, it ran its own hand-off and snapshotted their state_dict())."""
+    from tests.support.loader_specs import BUILDERS, Variant
+
+    spec = BUILDERS[loader](Variant(staging=False, workers=workers), tmp_path)
+    plain = spec.build(0, 1, True)
+    take(plain, 3)
+    alone = {t.name for t in threading.enumerate()}
+    plain.close()
+    inner = spec.build(0, 1, True)
+    staged = wrap_for_device(inner, torch.device("cpu"), enabled=True)
+    take(staged, 3)
+    with_staging = {t.name for t in threading.enumerate()}
+    staged.close()
+    inner.close()  # fused: closing the wrapper leaves the loader usable
+    assert not {n for n in with_staging - alone if "AsyncDeviceLoader" in n}, with_staging - alone
+
+
+def test_own_hand_off_never_builds_the_envelope_per_batch(tmp_path):
+    """Over an adapter it cannot fuse with (streaming_text with worker processes) staging
+    snapshots ``rank_state()`` per batch; ``state_dict()`` (whose gather is a collective at
+    DP > 1) runs only when a checkpoint asks, on the caller's thread."""
+    from tests.support.loader_specs import BUILDERS, Variant
+
+    spec = BUILDERS["streaming_text"](Variant(staging=False, workers=2), tmp_path)
+    loader = spec.build(0, 1, True)
+    calls = []
+    original = loader.state_dict
+    loader.state_dict = lambda *a, **k: (
+        calls.append(threading.current_thread().name),
+        original(*a, **k),
+    )[1]  # noqa: E501
+    staged = wrap_for_device(loader, torch.device("cpu"), enabled=True, mode="staged")
+    got = take(staged, 4)  # a second iter() below continues: nothing made ahead is dropped
+    assert len(got) == 4 and calls == []
+    value = staged.state_dict()
+    assert calls == [threading.current_thread().name]
+    fresh = spec.build(0, 1, True)
+    fresh.load_state_dict(value)
+    assert same(take(fresh, 2), take(staged, 2))
+    staged.close()
+    fresh.close()
+    loader.close()

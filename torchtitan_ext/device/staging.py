@@ -291,6 +291,14 @@ class AsyncDeviceLoader(Stage[Any]):
     # -- the stage contract -----------------------------------------------------------------
 
     def __iter__(self) -> AsyncDeviceLoader:
+        if (
+            self._rank_states
+            and self._pf is not None
+            and not (self._closed or self._failed is not None or self._pf.finished)
+        ):
+            # one of this package's adapters: its stream continues across iter(), so a pass in
+            # progress goes on, and the batches made ahead are not dropped (they would be lost)
+            return self
         self._restart()
         if self._fused is not None:
             iter(self.loader)  # type: ignore[call-overload]  # the loader decides what a pass is

@@ -26,7 +26,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.pipeline import checkpoint
-from torchtitan_ext.pipeline.prefetch import PrefetchOptions
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import State, options
 from torchtitan_ext.text.pack_stage import PackOptions
 from torchtitan_ext.text.parquet_resume import LOADER, resume_state
@@ -105,6 +105,11 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             prefetch=options(PrefetchOptions, config),
         )
         logger.info(f"parquet_prefetch: {self.loader.source.describe()}")
+
+    @property
+    def pipeline(self) -> Prefetch:
+        """The top stage (device staging fuses its copy into this thread: no thread of its own)."""
+        return self.loader.pipeline
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         if self.loader.done:

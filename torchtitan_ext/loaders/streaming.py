@@ -132,6 +132,15 @@ class StreamingTextDataLoader(BaseDataLoader):
                 pin_memory=config.pin_memory,
             )
 
+    @property
+    def pipeline(self) -> Stage[Any] | None:
+        """The top stage when it is the one Prefetch and every batch is its ``next()``
+        (``num_workers = 0``, no ``batches_per_iter``): device staging then fuses its copy into
+        that thread. Otherwise None, and staging runs its own hand-off over this loader."""
+        if isinstance(self.stage, Prefetch) and self.config.batches_per_iter is None:
+            return self.stage
+        return None
+
     def __iter__(self):
         quota = self.config.batches_per_iter
         n = 0

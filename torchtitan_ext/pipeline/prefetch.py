@@ -258,6 +258,11 @@ class Prefetch(Stage[Any]):
         return prev
 
     @property
+    def finished(self) -> bool:
+        """The upstream's end was reached (``next()`` raises ``StopIteration`` until ``reset``)."""
+        return self._done
+
+    @property
     def worker(self) -> _Worker | None:
         """The running thread's worker (None when stopped): its queue, busy time and policy."""
         return self._ref[0]
