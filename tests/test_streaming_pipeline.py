@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support import resume
-from tests.test_streaming import corpus, tokenizer  # noqa: F401
+from tests.test_streaming import WORDS, corpus, tokenizer, write_parquet  # noqa: F401
 from torchtitan_ext.loaders.streaming import StreamingTextDataLoader
 from torchtitan_ext.pipeline.checkpoint import LoaderStateError
 from torchtitan_ext.text.diversity import DiversityMeter
@@ -239,3 +239,51 @@ def test_infinite_stream_changes_degree_while_its_slots_are_in_two_epochs(corpus
     for e in (0, 1):
         got = sorted(d for ep, d in starts if ep == e)
         assert got == list(range(240)), f"epoch {e}: not every document exactly once"
+
+
+# ------------------------------------------------------------------ long documents, re-dealt
+LONG_DOCS, LONG_LEN = 48, 67  # every document 66 tokens + EOS: about 4 rows of 17 tokens
+
+
+@pytest.fixture(scope="module")
+def long_corpus(tokenizer, tmp_path_factory):  # noqa: F811
+    """48 documents of exactly 66 tokens (+ EOS = 67) in 4 Parquet files. A batch is 4 rows of
+    17 = 68 tokens, so after each slot's first batch its last row ends on the *first* token of
+    a document (68 = 67 + 1): that token is only the row's label, the document's start never an
+    input yet — the case a re-deal at another degree used to lose."""
+
+    def ntok(text: str) -> int:
+        return len(tokenizer.encode_arrays([text], add_bos=False)[0])
+
+    docs = []
+    for i in range(LONG_DOCS):
+        text = f"doc{i}"
+        for k in range(i, i + 400):  # append words that keep it within 66 tokens
+            if ntok(text) == LONG_LEN - 1:
+                break
+            nxt = f"{text} {WORDS[k % len(WORDS)]}"
+            text = nxt if ntok(nxt) <= LONG_LEN - 1 else text
+        assert ntok(text) == LONG_LEN - 1, text
+        docs.append(text)
+    return write_parquet(tmp_path_factory.mktemp("long"), docs, 4)
+
+
+@pytest.mark.parametrize("dp_to", [(3, 1), (1,)], ids=["dp2-3-1", "dp2-1"])
+def test_long_documents_started_on_a_label_survive_a_redeal(long_corpus, tokenizer, dp_to):  # noqa: F811
+    """Regression: a document whose first token closed a slot's last row (label only) continues
+    at offset 1; at an unchanged degree that is its new row's first input (its start), but
+    re-dealt at DP 3 or 1 it continued *inside* another slot's row and was never counted."""
+
+    def build(rank: int, world: int, infinite: bool):
+        cfg = config(long_corpus, tokenizer, 0, infinite=infinite)
+        return cfg.build(dp_rank=rank, dp_world_size=world, seq_len=SEQ, local_batch_size=BATCH)
+
+    two = [build(r, 2, False) for r in range(2)]
+    for ld in two:
+        resume.take(ld, 1)
+    heads = [ld.rank_state()["workers"][0]["track"][0] for ld in two]
+    for ld in two:
+        ld.close()
+    assert all(left == length - 1 == LONG_LEN - 1 for _, _, left, length in heads), heads
+    sp = resume.LoaderSpec("streaming_text", build, doc_starts, set(range(LONG_DOCS)))
+    resume.assert_resume_exact(sp, 1, 2, dp_to)

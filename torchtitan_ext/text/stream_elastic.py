@@ -25,7 +25,11 @@ Documents a slot had read but not yet emitted (the packer's pending segments wit
 per-token ``[doc, epoch, left, length]`` track entries) are dealt to the new slots **one item
 per document segment** (:func:`~torchtitan_ext.pipeline.elastic.redeal`): balanced, and a
 document whose start was already emitted keeps its offsets, so a document is counted once,
-where it starts (offset 0).
+where it starts (offset 0, or offset 1 at a row's first input after a label-only offset 0).
+One exception: a document of which only its first token was emitted, as the label-only last
+token of the slot's last row, would continue at offset 1 *inside* another slot's row, where
+its start never shows; it is re-dealt whole instead, its first token (the slot's saved
+``row_tail``) put back in front (:func:`_held`).
 
 Cost of the computation: it materialises the epoch's document ids (8 bytes each) and, per
 change, one ``Unit`` per remaining document; it needs every shard's row count (Parquet footers,
@@ -152,9 +156,7 @@ def merge(old: Sequence[dict[str, Any]], nslots: int) -> list[dict[str, Any]]:
             new_hist[str(e)] = {"base": [len(old), level, prog], "phases": []}
         else:
             new_hist[str(e)] = {"base": h["base"], "phases": [*h["phases"], [[k, 0] for k in prog]]}
-    held = [
-        list(zip(_segments(st["packer"]), st["track"], strict=True)) for st in old
-    ]  # one item per pending document segment
+    held = [_held(st) for st in old]  # one item per pending document segment
     dealt = redeal(held, nslots)
     out = []
     for t in range(nslots):
@@ -170,11 +172,46 @@ def merge(old: Sequence[dict[str, Any]], nslots: int) -> list[dict[str, Any]]:
                 "ended": 0,
                 "docs_used": sum(int(st["docs_used"]) for st in mine),
                 "skips": _merged_skips([st["skips"] for st in mine]),
-                "packer": _packer_of(old[0]["packer"], segs, [st["packer"] for st in mine]),
+                "packer": _packer_of(
+                    old[0]["packer"],
+                    segs,
+                    [st["packer"] for st in mine],
+                    carried=sum(_label_started(st) for st in mine),
+                ),
                 "track": [list(tr) for _, tr in dealt[t]],
+                "row_tail": -1,
             }
         )
     return out
+
+
+def _label_started(st: dict[str, Any]) -> bool:
+    """The slot's last row ended on the first token of its pending head document: that
+    token was emitted only as the row's label-only last token, so the document's start was
+    never an input (``track`` head ``[doc, epoch, length - 1, length]``)."""
+    tr = st["track"]
+    return bool(tr) and int(tr[0][2]) == int(tr[0][3]) - 1 and int(st.get("row_tail", -1)) >= 0
+
+
+def _held(st: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """The slot's pending ``(segment tokens, track entry)`` pairs, in packer order.
+
+    At an unchanged degree a document whose first token closed the last row (label only)
+    continues at offset 1 as the *first input of the slot's next row*, which is where its
+    start is counted (``doc_offsets`` 1 at a row's first token). Re-dealt, that continuation
+    would land inside another slot's row and its start would never show: the document would
+    be lost to every start count (and to ``doc_offsets``-based diversity checks). So its first
+    token (the ``row_tail`` the slot saved) is put back in front and the document is re-dealt
+    whole, from offset 0 (that one token is a label once more; the packer counts it as
+    ``tokens_carried``)."""
+    pairs = [
+        (seg, [int(v) for v in tr])
+        for seg, tr in zip(_segments(st["packer"]), st["track"], strict=True)
+    ]
+    if _label_started(st):
+        seg, tr = pairs[0]
+        pairs[0] = ([int(st["row_tail"]), *seg], [tr[0], tr[1], tr[3], tr[3]])
+    return pairs
 
 
 def _segments(pk: dict[str, Any]) -> list[list[int]]:
@@ -185,11 +222,15 @@ def _segments(pk: dict[str, Any]) -> list[list[int]]:
     return out
 
 
-def _packer_of(like: dict[str, Any], segs: list[list[int]], olds: list[dict]) -> dict[str, Any]:
+def _packer_of(
+    like: dict[str, Any], segs: list[list[int]], olds: list[dict], carried: int = 0
+) -> dict[str, Any]:
     counters = {k: 0 for k in like["counters"]}
     for pk in olds:
         for k, v in pk["counters"].items():
             counters[k] += int(v)
+    if carried and "tokens_carried" in counters:
+        counters["tokens_carried"] += carried  # first tokens put back by _held (totals kept)
     return {
         "kind": like["kind"],
         "row_len": like["row_len"],

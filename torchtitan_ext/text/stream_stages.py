@@ -13,7 +13,10 @@
 :class:`PackBatches` tokenize (``encode_batch`` documents per Rust call), pack (concat-split
                     with an EOS boundary) and batch ``batch_size`` rows (``None``: single
                     samples). State: the source's, plus ``packer`` (pending tokens),
-                    ``track`` (their ``[doc, epoch, left, length]``) and ``ended``.
+                    ``track`` (their ``[doc, epoch, left, length]``), ``ended`` and
+                    ``row_tail`` (the last token of the last row emitted, -1 before any: a
+                    re-deal at another degree puts it back in front of a document of which
+                    only that label-only token was emitted, see stream_elastic).
 ==================  ===========================================================================
 
 Invariant: a state is ints, strs, lists/dicts of them and the packer's two int64 arrays
@@ -355,6 +358,7 @@ class PackBatches(Stage[Any]):
         )
         self.track: deque[list[int]] = deque()
         self.ended = False
+        self.row_tail = -1  # last token of the last row emitted (-1: none yet)
 
     def state(self) -> State:
         return {
@@ -362,6 +366,7 @@ class PackBatches(Stage[Any]):
             "ended": int(self.ended),
             "packer": packer_state(self.packer),
             "track": [list(t) for t in self.track],
+            "row_tail": self.row_tail,
         }
 
     def reset(self, state: State | None = None) -> None:
@@ -371,6 +376,7 @@ class PackBatches(Stage[Any]):
             packer_from_state(self.packer, state["packer"])
             self.track = deque([int(v) for v in t] for t in state["track"])
             self.ended = bool(int(state["ended"]))
+            self.row_tail = int(state.get("row_tail", -1))
 
     def stats(self, state: State) -> dict[str, Any]:
         return slot_stats(state)
@@ -423,5 +429,7 @@ class PackBatches(Stage[Any]):
 
     def _sample(self, final: bool) -> Any:
         row = self.packer.pop_row(final=final)
+        if row.valid:
+            self.row_tail = int(row.tokens[row.valid - 1])
         ids = take_doc_ids(self.track, row.valid)  # consumed even when not emitted
         return make_sample(row, ids if self.o.emit_doc_ids else None, self.seq_len)
