@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.resume import LoaderSpec, assert_resume_exact
 from torchtitan_ext.data.embedded import ensure_embedded_data
 from torchtitan_ext.pipeline.priority import can_leave_idle
 from torchtitan_ext.text.errors import BadInputError
@@ -62,6 +63,15 @@ def _loader(data_dir, tok, **kw) -> PrefetchingParquetLoader:
     kw.setdefault("chunk_rows", 32)
     kw.setdefault("queue_size", 4)
     return PrefetchingParquetLoader(data_dir, tok, **kw)
+
+
+def _spec(data_dir, tok, **kw) -> LoaderSpec:
+    """A :class:`_loader` for the resume harness (its own ``state_dict()``, one rank)."""
+    return LoaderSpec(
+        "parquet_loader",
+        lambda rank, world, infinite: _loader(data_dir, tok, **kw),
+        state=lambda loaders: loaders[0].state_dict(),
+    )
 
 
 def _same(a, b) -> bool:
@@ -264,36 +274,31 @@ def test_finite_val_pass_covers_split_and_pads_last_batch(data_dir, tok):
     mode=st.sampled_from(["best_fit", "zero_discard", "concat_split"]),
 )
 def test_resume_is_bitwise_exact(data_dir, tok, k, seq_len, batch, mode):
-    n = 14
     kw = dict(seq_len=seq_len, batch_size=batch, packing=mode, seed=5)
-    with _loader(data_dir, tok, **kw) as ref:
-        want = [next(ref) for _ in range(n)]
-    with _loader(data_dir, tok, **kw) as first:
-        got = [next(first) for _ in range(k)]
-        state = first.state_dict()
-        stats_at_cut = first.get_stats()
-    with _loader(data_dir, tok, **kw) as resumed:
-        resumed.load_state_dict(state)
-        assert resumed.get_stats()["docs_read"] == stats_at_cut["docs_read"]
-        got += [next(resumed) for _ in range(n - k)]
-    assert all(_same(a, b) for a, b in zip(got, want, strict=True))
+    at_cut: list[int] = []
+
+    def check(loader, event):  # the data counters resume with the position
+        if event == "save":
+            at_cut.append(loader.get_stats()["docs_read"])
+        elif event == "load":
+            assert loader.get_stats()["docs_read"] == at_cut[-1]
+
+    assert_resume_exact(_spec(data_dir, tok, **kw), cuts=(k, 14 - k), check=check)
+    assert len(at_cut) == 1
 
 
 def test_resume_across_epochs_and_after_load_on_a_running_loader(data_dir, tok):
     kw = dict(split="val", seq_len=32, batch_size=4)  # the small val split wraps epochs quickly
-    with _loader(data_dir, tok, **kw) as ref:
-        want = [next(ref) for _ in range(60)]
-        assert ref.get_stats()["epoch"] >= 2
-    with _loader(data_dir, tok, **kw) as a:
-        for _ in range(37):
-            next(a)
-        state = a.state_dict()
-    with _loader(data_dir, tok, **kw) as b:
-        for _ in range(5):  # the thread is running from cursor 0; load must restart it
-            next(b)
-        b.load_state_dict(state)
-        got = [next(b) for _ in range(23)]
-    assert all(_same(x, y) for x, y in zip(got, want[37:], strict=True))
+    epochs: list[int] = []
+
+    def check(loader, event):
+        if event == "end":
+            epochs.append(loader.get_stats()["epoch"])
+
+    # 37 batches, save; the resumed loader reads 5 of its own first (its thread running from
+    # cursor 0: the load must restart it), then 23 more == batches 37..59 of one run
+    assert_resume_exact(_spec(data_dir, tok, **kw), cuts=(37, 23), running=5, check=check)
+    assert epochs[0] >= 2  # the uninterrupted 60 batches cross two epoch boundaries
 
 
 def test_state_dict_is_pickle_free_compact_and_checked(data_dir, tok):

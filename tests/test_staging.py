@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO
+from tests.support.resume import LoaderSpec, assert_resume_exact
 from torchtitan_ext.device.normalize import normalize_pixels, normalized_shape
 from torchtitan_ext.device.staging import (
     AsyncDeviceLoader,
@@ -249,32 +250,46 @@ def test_bad_arguments():
 # ---------------------------------------------------------------------------- resume exactness
 
 
+def _wrapper_spec(make_inner, mode="auto") -> LoaderSpec:
+    """An :class:`AsyncDeviceLoader` (3 buffers) over ``make_inner()`` for the resume harness:
+    the wrapper's own ``state_dict()`` is what is saved."""
+    return LoaderSpec(
+        "staging",
+        lambda rank, world, infinite: AsyncDeviceLoader(
+            make_inner(), "cpu", num_buffers=3, mode=mode
+        ),
+        state=lambda loaders: loaders[0].state_dict(),
+    )
+
+
 @pytest.mark.parametrize("mode", ["auto", "staged"])
 @pytest.mark.parametrize("consumed", [0, 3, 7])
 def test_resume_exact_with_batches_in_flight(mode, consumed):
     ref = [b for b in CounterLoader(12)]
-    inner = CounterLoader(12)
-    w = AsyncDeviceLoader(inner, "cpu", num_buffers=3, mode=mode)
-    it = iter(w)
-    for k in range(consumed):
-        _assert_same(next(it), ref[k])
-    # let the background thread run ahead so that batches are really in flight
-    _wait_until(lambda: inner.i >= min(12, consumed + 3))
-    assert inner.i > consumed
-    sd = w.state_dict()
-    assert sd == {"i": consumed}
-    w.close()
-    # resume into a fresh loader + wrapper
-    inner2 = CounterLoader(12)
-    w2 = AsyncDeviceLoader(inner2, "cpu", num_buffers=3, mode=mode)
-    w2.load_state_dict(sd)
-    assert w2.state_dict() == {"i": consumed}
-    rest = list(w2)
-    assert len(rest) == 12 - consumed
-    for g, r in zip(rest, ref[consumed:], strict=True):
+    events: list[str] = []
+
+    def check(w, event):
+        events.append(event)
+        if event == "save":
+            # let the background thread run ahead so that batches are really in flight
+            _wait_until(lambda: w.loader.i >= min(12, consumed + 3))
+            assert w.loader.i > consumed
+            assert w.state_dict() == {"i": consumed}
+        elif event == "load":
+            assert w.state_dict() == {"i": consumed}
+        elif event == "end":
+            assert w.state_dict() == {"i": 12}  # after StopIteration: the exhausted state
+
+    got = assert_resume_exact(
+        _wrapper_spec(lambda: CounterLoader(12), mode),
+        cuts=(consumed, None),
+        infinite=False,
+        check=check,
+    )
+    assert events.count("save") == events.count("load") == 1
+    assert len(got[0]) == 12
+    for g, r in zip(got[0], ref, strict=True):  # and the wrapper is transparent
         _assert_same(g, r)
-    assert w2.state_dict() == {"i": 12}  # after StopIteration: the exhausted state
-    w2.close()
 
 
 def test_load_state_dict_on_the_same_wrapper_restarts_the_thread():
@@ -717,20 +732,14 @@ def test_resume_exact_over_torchdata_stateful_dataloader(workers):
             generator=torch.Generator().manual_seed(7),
         )
 
+    def check(w, event):
+        if event == "save":
+            time.sleep(0.2)  # let the fetch thread run ahead
+
     ref = list(make())  # default_collate yields [input_dict, labels] lists
-    w = AsyncDeviceLoader(make(), "cpu", num_buffers=3)
-    it = iter(w)
-    for k in range(4):
-        _assert_same(next(it), ref[k])
-    time.sleep(0.2)  # let the fetch thread run ahead
-    sd = w.state_dict()
-    w.close()
-    w2 = AsyncDeviceLoader(make(), "cpu", num_buffers=3)
-    w2.load_state_dict(sd)
-    rest = list(w2)
-    w2.close()
-    assert len(rest) == len(ref) - 4
-    for g, r in zip(rest, ref[4:], strict=True):
+    got = assert_resume_exact(_wrapper_spec(make), cuts=(4, None), infinite=False, check=check)
+    assert len(got[0]) == len(ref)
+    for g, r in zip(got[0], ref, strict=True):  # and the wrapper is transparent
         _assert_same(g, r)
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tests.support.resume import LoaderSpec, assert_resume_exact
 from torchtitan_ext.text.errors import BadInputError
 from torchtitan_ext.text.streaming import DocumentLimitReached, StreamingTextDataset
 from torchtitan_ext.text.tokenize import TextTokenizer
@@ -237,24 +238,28 @@ def test_persistent_workers_dataloader_epochs_continue(corpus, tokenizer, loader
 
 
 # ---------------------------------------------------------------------- resume
-def _resume_chain(src, tok, cuts, num_workers, seq_len=16, **kw):
-    """Run len(cuts) segments, restarting (new loader + JSON round-trip state) between them."""
-    state = None
-    out = []
+def _json(state):
+    return json.loads(json.dumps(state))  # pickle-free: a JSON round trip
 
-    def make():
+
+def _dataloader_spec(src, tok, num_workers, seq_len=16, **kw):
+    """StatefulDataLoader (batch 2) over a StreamingTextDataset, for the resume harness: its own
+    ``state_dict()`` through a JSON round trip is what is saved."""
+
+    def build(rank, world, infinite):
         ds = StreamingTextDataset(src, tok, seq_len, shuffle_buffer=8, **kw)
         return StatefulDataLoader(ds, batch_size=2, num_workers=num_workers)
 
-    for n in cuts:
-        dl = make()
-        if state is not None:
-            dl.load_state_dict(json.loads(json.dumps(state)))  # pickle-free, JSON round trip
-        it = iter(dl)
-        out += take(it, n)
-        state = dl.state_dict()
-        del it, dl
-    return out
+    return LoaderSpec("streaming_dataloader", build, state=lambda lds: _json(lds[0].state_dict()))
+
+
+def _dataset_spec(src, tok, **kw):
+    """A :func:`ds_for` dataset for the resume harness (its ``state_dict()``, JSON round trip)."""
+    return LoaderSpec(
+        "streaming_dataset",
+        lambda rank, world, infinite: ds_for(src, tok, **kw),
+        state=lambda lds: _json(lds[0].state_dict()),
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -262,10 +267,8 @@ def test_chained_restarts_are_bitwise_identical(corpus, tokenizer, num_workers):
     """Three restarts, crossing data-epoch boundaries (240 docs ~ 175 batches of 2 per epoch):
     resume #2 and #3 must not fall back to zero (a datasets cousin bug)."""
     src, _ = corpus
-    cuts = [70, 90, 110, 60]
-    ref = _resume_chain(src, tokenizer, [sum(cuts)], num_workers)
-    got = _resume_chain(src, tokenizer, cuts, num_workers)
-    assert same(got, ref)
+    spec = _dataloader_spec(src, tokenizer, num_workers)
+    assert_resume_exact(spec, cuts=[70, 90, 110, 60])
 
 
 @settings(
@@ -274,36 +277,27 @@ def test_chained_restarts_are_bitwise_identical(corpus, tokenizer, num_workers):
 @given(cuts=st.lists(st.integers(1, 60), min_size=2, max_size=4), buf=st.sampled_from([1, 5, 64]))
 def test_resume_anywhere_property(corpus, tokenizer, cuts, buf):
     src, _ = corpus
-
-    def run(segs):
-        state, out = None, []
-        for n in segs:
-            ds = ds_for(src, tokenizer, shuffle_buffer=buf, emit_doc_ids=False)
-            if state is not None:
-                ds.load_state_dict(state)
-            it = iter(ds)
-            out += take(it, n)
-            state = json.loads(json.dumps(ds.state_dict()))
-        return out
-
-    assert same(run(cuts), run([sum(cuts)]))
+    spec = _dataset_spec(src, tokenizer, shuffle_buffer=buf, emit_doc_ids=False)
+    assert_resume_exact(spec, cuts=cuts)
 
 
 def test_epoch_does_not_shrink_after_resume(corpus, tokenizer):
     """Resume mid-epoch-1, then the whole of epoch 2 still holds every document."""
     src, docs = corpus
-    ds = ds_for(src, tokenizer)
+    ds = ds_for(src, tokenizer)  # where the epochs end (no resume here)
     it = iter(ds)
+    n = 0
     while ds.stats()["epoch"] < 1:
         next(it)
+        n += 1
+    cut = n + 20  # 20 rows into epoch 1
     take(it, 20)
-    ds2 = ds_for(src, tokenizer)
-    ds2.load_state_dict(json.loads(json.dumps(ds.state_dict())))
-    it2 = iter(ds2)
-    rows = []
-    while ds2.stats()["epoch"] < 3:
-        rows.append(next(it2))
-    c = doc_tokens_per_epoch(rows)
+    n = cut
+    while ds.stats()["epoch"] < 3:
+        next(it)
+        n += 1
+    got = assert_resume_exact(_dataset_spec(src, tokenizer), cuts=(cut, n - cut))
+    c = doc_tokens_per_epoch(got[0][cut:])  # the resumed loader's rows
     assert {i for (e, i) in c if e == 2} == set(range(len(docs)))
 
 

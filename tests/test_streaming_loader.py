@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.resume import LoaderSpec, assert_resume_exact
 from tests.test_streaming import corpus, same, take, tokenizer  # noqa: F401
 from torchtitan_ext.loaders.streaming import StreamingTextDataLoader
 from torchtitan_ext.pipeline import checkpoint
@@ -55,22 +56,31 @@ def test_state_dict_is_pickle_free_and_resumes(corpus, tokenizer, num_workers): 
     cfg = StreamingTextDataLoader.Config(
         dataset_path=src, tokenizer_path=tokenizer.source, num_workers=num_workers
     )
-    ref = take(iter(build(cfg, rank=1, world=2)), 30)
-    dl = build(cfg, rank=1, world=2)
-    it = iter(dl)
-    take(it, 12)
-    # what the gather of two ranks makes (one process cannot run it): rank 0 read nothing yet
-    state = checkpoint.envelope(
-        "streaming_text", [build(cfg, rank=0, world=2).rank_state(), dl.rank_state()]
+    saved = []
+
+    def state(loaders):
+        # what the gather of two ranks makes (one process cannot run it): rank 0 read nothing yet
+        (dl,) = loaders
+        state = checkpoint.envelope(
+            "streaming_text", [build(cfg, rank=0, world=2).rank_state(), dl.rank_state()]
+        )
+        assert set(state) == {"global"} and state["global"]["loader"] == "streaming_text"
+        pickle.loads(pickle.dumps(state))  # plain values only (a class would still load here)
+        assert _plain(state), "ints, floats, strs, bytes, lists, tuples and dicts only"
+        saved.append(state)
+        return state
+
+    def check(dl, event):
+        if event == "end":
+            stats = dl.get_stats()
+            assert stats["epoch"] == 0 and stats["skipped"] == 0 and stats["docs_used"] > 0
+
+    # rank 1 of 2: 12 batches, save, a fresh rank 1 resumes: 18 more == batches 12..29
+    spec = LoaderSpec(
+        "streaming_text", lambda rank, world, infinite: build(cfg, rank=1, world=2), state=state
     )
-    assert set(state) == {"global"} and state["global"]["loader"] == "streaming_text"
-    pickle.loads(pickle.dumps(state))  # plain values only (a class would still load here)
-    assert _plain(state), "ints, floats, strs, bytes, lists, tuples and dicts only"
-    dl2 = build(cfg, rank=1, world=2)
-    dl2.load_state_dict(state)
-    assert same(take(iter(dl2), 18), ref[12:])
-    stats = dl2.get_stats()
-    assert stats["epoch"] == 0 and stats["skipped"] == 0 and stats["docs_used"] > 0
+    assert_resume_exact(spec, cuts=(12, 18), check=check)
+    (state,) = saved
     build(cfg, rank=1, world=3).load_state_dict(state)  # another degree: re-dealt
     build(cfg).load_state_dict({})  # an empty state is a fresh start
 

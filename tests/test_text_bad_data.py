@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.support.resume import LoaderSpec, assert_resume_exact
 from torchtitan_ext.data.embedded import ensure_embedded_data
 from torchtitan_ext.pipeline.elastic import Progress
 from torchtitan_ext.text.errors import NoUsableDocuments
@@ -262,34 +263,24 @@ def test_counts_reconcile_at_every_batch_and_after_resume(tmp_path, tok):
     path, want, good = _mixed(tmp_path)
     kw = dict(infinite=False, on_bad_input="skip", seed=5, chunk_rows=4)
     with _make(path, tok, **kw) as loader:
-        full = _rows(loader)
+        n = sum(1 for _ in loader)
         final = loader.get_stats()
-    for k in (1, 3, len(full) // 2 - 1):
-        with _make(path, tok, **kw) as first:
-            head = _rows(next(first) for _ in range(k))
-            state = first.state_dict()
-        with _make(path, tok, **kw) as resumed:
-            resumed.load_state_dict(state)
-            s = resumed.get_stats()
-            assert s["rows_read"] == s["docs_read"] + s["docs_skipped"]
-            tail = []
-            for batch in resumed:
-                tail += _rows([batch])
-                s = resumed.get_stats()
-                assert s["rows_read"] == s["docs_read"] + s["docs_skipped"]
-            assert head + tail == full
-            assert resumed.get_stats()["rows_read"] == final["rows_read"]
-            assert resumed.skip_counts == want
-        # and a state taken after the end reports the whole pass
-        with _make(path, tok, **kw) as done:
-            list(done)
-            end_state = done.state_dict()
-        with _make(path, tok, **kw) as again:
-            again.load_state_dict(end_state)
-            assert list(again) == []
-            assert (
-                again.skip_counts == want and again.get_stats()["rows_read"] == final["rows_read"]
-            )
+
+    def check(loader, event):
+        s = loader.get_stats()
+        assert s["rows_read"] == s["docs_read"] + s["docs_skipped"]  # after a load, every batch
+        if event == "end":
+            assert s["rows_read"] == final["rows_read"] and loader.skip_counts == want
+
+    spec = LoaderSpec(
+        "parquet_loader",
+        lambda rank, world, infinite: _make(path, tok, **kw),
+        state=lambda loaders: loaders[0].state_dict(),
+    )
+    for k in (1, 3, n // 2 - 1):
+        assert_resume_exact(spec, cuts=(k, None), infinite=False, check=check)
+    # and a state taken after the end reports the whole pass (and resumes to nothing more)
+    assert_resume_exact(spec, cuts=(None, None), infinite=False, check=check)
 
 
 # ----------------------------------------------------------------------------- column types

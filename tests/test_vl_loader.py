@@ -16,6 +16,7 @@ from torchtitan_ext.loaders.vl import CachedVLDataLoader, OnlinePreprocessingWar
 from torchtitan_ext.pipeline.checkpoint import LoaderStateError
 from torchtitan_ext.vl.collate import finish_on_device
 
+from .support.resume import LoaderSpec, assert_resume_exact
 from .support.vl_order import documented_order
 from .support.vl_sample import sample_cache
 
@@ -112,20 +113,23 @@ def test_hf_format_and_device_normalisation(env):
     assert same(finish_on_device(c), d)
 
 
+def _own_state(loaders):
+    """The loader's own ``state_dict()`` (one rank), checked pickle-free, for the harness."""
+    (dl,) = loaders
+    state = dl.state_dict()
+    assert plain(state), state
+    return state
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_bitwise_with_workers(env, num_workers):
     k, total = 3, 8
-    full = list(itertools.islice(iter(make(env, num_workers=num_workers)), total))
-    dl = make(env, num_workers=num_workers)
-    it = iter(dl)
-    for _ in range(k):
-        next(it)
-    state = dl.state_dict()
-    assert plain(state), state
-    dl2 = make(env, num_workers=num_workers)
-    dl2.load_state_dict(state)
-    rest = list(itertools.islice(iter(dl2), total - k))
-    assert all(same(x, y) for x, y in zip(full[k:], rest, strict=True))
+    spec = LoaderSpec(
+        "cached_vl",
+        lambda rank, world, infinite: make(env, num_workers=num_workers),
+        state=_own_state,
+    )
+    (full,) = assert_resume_exact(spec, cuts=(k, total - k))
     # the worker count does not change the data either
     other = list(itertools.islice(iter(make(env, num_workers=2 - num_workers)), total))
     assert all(same(x, y) for x, y in zip(full, other, strict=True))
@@ -205,19 +209,16 @@ def test_online_resume_exact_and_equal_steps(env):
             infinite=False,
         )
 
-    full = [p["input_ids"] for p in ds()]
-    a = ds()
-    it = iter(a)
-    head = [next(it)["input_ids"] for _ in range(2)]
-    state = a.state_dict()
-    assert plain(state)
-    b = ds()
-    b.load_state_dict(state)
-    tail = [p["input_ids"] for p in b]
-    assert len(head + tail) == len(full)
-    assert all(torch.equal(x, y) for x, y in zip(head + tail, full, strict=True))
+    def state(loaders):
+        (a,) = loaders
+        st = a.state_dict()
+        assert plain(st)
+        return st
+
+    spec = LoaderSpec("online_vl", lambda rank, world, infinite: ds(), state=state)
+    (got,) = assert_resume_exact(spec, cuts=(2, None), infinite=False)  # 2 packs, then the rest
     counts = [len(list(ds(r, 2))) for r in range(2)]
-    assert counts[0] == counts[1] == len(full) // 2
+    assert counts[0] == counts[1] == len(got) // 2
 
 
 def test_build_if_missing_and_force(env, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import torch
 from torchtitan_ext.vl.collate import PixelNorm, collate_hf, collate_torchtitan
 from torchtitan_ext.vl.dataset import CachedVLDataset
 
+from .support.resume import LoaderSpec, assert_resume_exact
 from .support.tiny_qwen3vl import run_hf, tiny_model
 from .support.vl_chat import pil, positions_reference, vqa_reference
 from .support.vl_sample import sample_cache
@@ -127,18 +128,33 @@ def test_tiny_training_loop_from_dataset(env):
     assert losses[-1] < losses[0]
 
 
+def _hf_loader(env):
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+
+    cfg = CachedVLDataLoader.Config(
+        cache_path=str(env["path"]), batch_format="hf", normalize_on="device", seed=3
+    )
+    return cfg.build(dp_rank=0, dp_world_size=1, seq_len=1024, local_batch_size=2)
+
+
+def test_loader_of_the_training_loop_resumes_exactly(env):
+    """The loader of the loop below, alone, through the resume harness: 2 batches, save (its
+    own state_dict), a fresh loader, 2 more == 4 straight, bitwise."""
+    spec = LoaderSpec(
+        "cached_vl",
+        lambda rank, world, infinite: _hf_loader(env),
+        state=lambda loaders: loaders[0].state_dict(),
+    )
+    assert_resume_exact(spec, cuts=(2, 2))
+
+
 def test_training_loop_with_loader_resumes_exactly(env):
     """HF training loop fed by CachedVLDataLoader: 4 steps straight == 2 steps, checkpoint
     (model, optimizer, loader state), restore into fresh objects, 2 more steps — same losses."""
     import copy
 
-    from torchtitan_ext.loaders.vl import CachedVLDataLoader
-
     def loader():
-        cfg = CachedVLDataLoader.Config(
-            cache_path=str(env["path"]), batch_format="hf", normalize_on="device", seed=3
-        )
-        return cfg.build(dp_rank=0, dp_world_size=1, seq_len=1024, local_batch_size=2)
+        return _hf_loader(env)
 
     def steps(model, opt, it, dl, n):
         out = []
