@@ -26,7 +26,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.pipeline import checkpoint
-from torchtitan_ext.pipeline.prefetch import PrefetchOptions
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import State, options
 from torchtitan_ext.text.pack_stage import PackOptions
 from torchtitan_ext.text.parquet_resume import LOADER, resume_state
@@ -105,6 +105,15 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             prefetch=options(PrefetchOptions, config),
         )
         logger.info(f"parquet_prefetch: {self.loader.source.describe()}")
+
+    @property
+    def pipeline(self) -> Prefetch:
+        """The loader's :class:`~torchtitan_ext.pipeline.prefetch.Prefetch`: device staging
+        (``[staging]``) installs its copy there and takes batches from it (fused mode: no thread,
+        queue or state snapshot of its own). This adapter keeps that convention: its batches are
+        ``pipeline.next()``, its state is made from ``pipeline.state()``, and ``iter()`` only
+        resets the pipeline after a finished pass."""
+        return self.loader.pipeline
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         if self.loader.done:

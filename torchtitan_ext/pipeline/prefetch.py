@@ -258,6 +258,12 @@ class Prefetch(Stage[Any]):
         return prev
 
     @property
+    def done(self) -> bool:
+        """A finite upstream's pass has ended: ``next()`` raised ``StopIteration`` (until
+        ``reset``)."""
+        return self._done
+
+    @property
     def worker(self) -> _Worker | None:
         """The running thread's worker (None when stopped): its queue, busy time and policy."""
         return self._ref[0]
