@@ -328,20 +328,65 @@ def test_own_hand_off_is_one_thread_and_one_snapshot_per_batch(opts):
 
 @pytest.mark.slow
 def test_text_staging_benchmark_quick_smoke():
-    """The benchmark's counts (not its timings): fused staging adds no thread to the loader's
-    and takes one snapshot per batch; the former wrapper (when the history is there) two."""
+    """The benchmark's counts (not its timings), over the real Parquet loader and the toy:
+    fused staging adds no thread to the loader's own and takes one snapshot per batch; the
+    former wrapper (when the history is there) adds one or two threads and takes two."""
     from benchmarks.common import BenchArgs
     from benchmarks.text_staging import run
 
-    rows = {r.case: r for r in run(BenchArgs(repeats=1, warmup=0, quick=True))}
-    alone = rows["threads added: loader alone"].value
-    for name in ("fused, auto", "fused, staged"):
-        assert rows[f"threads added: {name}"].value == alone
-        assert round(rows[f"snapshots per batch: {name}"].value, 1) == 1.0
-    if "threads added: before, staged" in rows:
-        assert rows["threads added: before, staged"].value == alone + 2
-        # per batch the source made meanwhile: short runs skew it by the loader's lead
-        assert rows["snapshots per batch: before, staged"].value > 1.5
+    args = BenchArgs(repeats=1, warmup=0, quick=True, extra={"priorities": "adaptive"})
+    rows = {r.case: r for r in run(args)}
+    for loader in ("", "toy, "):
+        assert rows[f"threads added: {loader}loader alone, adaptive"].value == 0
+        for name in ("fused, auto", "fused, staged"):
+            key = f"{loader}{name}, adaptive"
+            if f"threads added: {key}" not in rows:
+                continue  # the toy runs fused, staged only
+            assert rows[f"threads added: {key}"].value == 0
+            assert rows[f"threads added: {key}"].info["fused"] == 1.0
+            assert round(rows[f"snapshots per batch: {key}"].value, 1) == 1.0
+        key = f"{loader}before, staged, adaptive"
+        if f"threads added: {key}" in rows:
+            assert rows[f"threads added: {key}"].value in (1, 2)
+            # per batch the source made meanwhile: short runs skew it by the loader's lead
+            assert rows[f"snapshots per batch: {key}"].value > 1.5
+
+
+# ------------------------------------------------------------ the real text job's adapter, fused
+def test_parquet_adapter_is_staged_fused_across_finite_passes(tmp_path):
+    """The torchtitan adapter of the Parquet loader exposes its Prefetch as ``.pipeline``, so
+    staging runs its copy there: no thread of its own, the unstaged batches bitwise, the
+    adapter's state (nothing gathered), and ``iter()`` after a finished pass starts a new one
+    although the batches bypassed the adapter's ``__next__``."""
+    from tests.support.loader_specs import PQ_SEQ_LEN, parquet_id_corpus
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+
+    data, tok_dir, _ = parquet_id_corpus(tmp_path)
+
+    def build():
+        cfg = PrefetchingParquetDataLoader.Config(
+            dataset_path=str(data), tokenizer_path=str(tok_dir), val_files="none",
+            infinite=False, queue_size=2, seed=3,
+        )  # fmt: skip
+        return cfg.build(dp_rank=0, dp_world_size=1, tokenizer=None, seq_len=PQ_SEQ_LEN,
+                         local_batch_size=2)  # fmt: skip
+
+    plain = build()
+    want = list(plain)
+    plain.close()
+    ld = build()
+    assert ld.pipeline is ld.loader.pipeline
+    before = _threads()
+    w = AsyncDeviceLoader(ld, "cpu", mode="staged")
+    assert w.fused
+    for _ in range(2):  # two passes: iter() restarts the finished one
+        got = list(w)
+        assert ld.loader.done
+        assert len(got) == len(want) and all(same(a, b) for a, b in zip(got, want, strict=True))
+        assert all(t.name.startswith("parquet-") for t in _threads() - before)
+    assert w.rank_state() is not None and w.state_dict() == ld.state_dict()
+    w.close()
+    ld.close()
 
 
 # ------------------------------------------------------- the package's own text loaders under it

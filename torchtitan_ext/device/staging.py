@@ -294,7 +294,7 @@ class AsyncDeviceLoader(Stage[Any]):
         if (
             self._rank_states
             and self._pf is not None
-            and not (self._closed or self._failed is not None or self._pf.finished)
+            and not (self._closed or self._failed is not None or self._pf.done)
         ):
             # one of this package's adapters: its stream continues across iter(), so a pass in
             # progress goes on, and the batches made ahead are not dropped (they would be lost)

@@ -108,7 +108,11 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
 
     @property
     def pipeline(self) -> Prefetch:
-        """The top stage (device staging fuses its copy into this thread: no thread of its own)."""
+        """The loader's :class:`~torchtitan_ext.pipeline.prefetch.Prefetch`: device staging
+        (``[staging]``) installs its copy there and takes batches from it (fused mode: no thread,
+        queue or state snapshot of its own). This adapter keeps that convention: its batches are
+        ``pipeline.next()``, its state is made from ``pipeline.state()``, and ``iter()`` only
+        resets the pipeline after a finished pass."""
         return self.loader.pipeline
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:

@@ -258,8 +258,9 @@ class Prefetch(Stage[Any]):
         return prev
 
     @property
-    def finished(self) -> bool:
-        """The upstream's end was reached (``next()`` raises ``StopIteration`` until ``reset``)."""
+    def done(self) -> bool:
+        """A finite upstream's pass has ended: ``next()`` raised ``StopIteration`` (until
+        ``reset``)."""
         return self._done
 
     @property

@@ -112,18 +112,19 @@ class PrefetchingParquetLoader:
         self.tokenizer = self.packed.tokenizer
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.done = False  # a finite pass has ended (StopIteration raised)
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
-        try:
-            return self.pipeline.next()
-        except StopIteration:
-            self.done = True
-            raise
+        return self.pipeline.next()
+
+    @property
+    def done(self) -> bool:
+        """A finite pass has ended (``StopIteration`` raised), also when the batches were taken
+        from :attr:`pipeline` directly (device staging, fused)."""
+        return self.pipeline.done
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the background thread and its read-ahead threads (idempotent), waiting up to
@@ -166,7 +167,6 @@ class PrefetchingParquetLoader:
     def reset(self, state: State | None = None) -> None:
         """Go to ``state`` (a :meth:`rank_state`, decoded) or, with None, to the start."""
         self.pipeline.reset(state)
-        self.done = False
 
     def state_dict(self) -> dict[str, Any]:
         """:meth:`rank_state`, encoded pickle-free (numpy arrays as little-endian bytes)."""
