@@ -39,7 +39,6 @@ Options (``--set key=value``): ``docs`` (4 documents per item), ``steps`` (300; 
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import queue
@@ -51,7 +50,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import BenchArgs, Row, compare, interleave, percentile, row_from
+from benchmarks.common import (
+    BenchArgs,
+    Row,
+    compare,
+    interleave,
+    percentile,
+    row_from,
+    timed_steps,
+)
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import Stage
 
@@ -205,21 +212,7 @@ def consume(it: Any, steps: int, warmup: int, step_s: float, step: Callable[[flo
     for _ in range(warmup):
         next(it)
         step(step_s)
-    lat: list[float] = []
-    gc.collect(1)
-    gc.disable()
-    try:
-        t_start = time.perf_counter()
-        for i in range(steps):
-            t0 = time.perf_counter()
-            next(it)
-            lat.append(time.perf_counter() - t0)
-            if i % 50 == 49:
-                gc.collect(1)
-            step(step_s)
-        total = time.perf_counter() - t_start
-    finally:
-        gc.enable()
+    lat, total = timed_steps(it, steps, step, step_s)
     return lat, total - sum(lat) - steps * step_s, total
 
 

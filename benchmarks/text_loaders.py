@@ -57,7 +57,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import BenchArgs, Row, compare, interleave, percentile, row_from
+from benchmarks.common import (
+    BenchArgs,
+    Row,
+    compare,
+    interleave,
+    percentile,
+    row_from,
+    timed_steps,
+)
 from benchmarks.text_corpus import build_corpus, corpus_files, gpt2_tokenizer_dir
 from torchtitan_ext.text.packing import make_packer
 from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
@@ -201,25 +209,7 @@ def data_wait(
     for _ in range(warmup):  # settle at the new rate (the queue refills)
         next(it)
         time.sleep(step_s)
-    lat: list[float] = []
-    # Garbage collection as torchtitan's trainer does it (GarbageCollection, training.gc_freq):
-    # automatic GC off, a generation-1 collection every 50 steps in the training loop. With
-    # automatic GC on, a generation-2 pass (~65 ms here: torch & co. hold ~10^6 tracked objects)
-    # can start in any thread at any time, including inside next().
-    gc.collect(1)
-    gc.disable()
-    try:
-        t_start = time.perf_counter()
-        for i in range(steps):
-            t0 = time.perf_counter()
-            next(it)
-            lat.append(time.perf_counter() - t0)
-            if i % 50 == 49:
-                gc.collect(1)
-            step(step_s)  # the "GPU step"
-        total = time.perf_counter() - t_start
-    finally:
-        gc.enable()
+    lat, total = timed_steps(it, steps, step, step_s)  # step: the "GPU step"
     del it
     _close(loader)
     return {

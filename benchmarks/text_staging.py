@@ -53,7 +53,6 @@ Options (``--set key=value``): ``steps`` (default 300; quick 30), ``warmup`` (30
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -65,7 +64,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import REPO, BenchArgs, Row, compare, interleave, percentile, row_from
+from benchmarks.common import (
+    REPO,
+    BenchArgs,
+    Row,
+    compare,
+    interleave,
+    percentile,
+    row_from,
+    timed_steps,
+)
 from torchtitan_ext.device.staging import AsyncDeviceLoader
 from torchtitan_ext.pipeline import checkpoint
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
@@ -223,27 +231,13 @@ def paced(make: Any, wrap: Any, steps: int, warmup: int, step_s: float) -> dict[
     for _ in range(warmup):
         next(it)
         time.sleep(step_s)
-    lat: list[float] = []
     alive = {t for t in threading.enumerate() if t.name != "sched-idle-probe"} - base
     # the loader's own (its Prefetch thread; read-ahead threads, whose number varies as reads
     # start and end) vs any other: what staging added
     own = {t for t in alive if t.name.startswith(OWN_THREADS)}
     threads = len(alive - own)
     made0, snaps0 = counts.made, counts.snaps
-    gc.collect(1)
-    gc.disable()
-    try:
-        t_start = time.perf_counter()
-        for i in range(steps):
-            t0 = time.perf_counter()
-            next(it)
-            lat.append(time.perf_counter() - t0)
-            if i % 50 == 49:
-                gc.collect(1)
-            time.sleep(step_s)  # the "GPU step"
-        total = time.perf_counter() - t_start
-    finally:
-        gc.enable()
+    lat, total = timed_steps(it, steps, time.sleep, step_s)  # sleep: the "GPU step"
     snaps = (counts.snaps - snaps0) / max(counts.made - made0, 1)
     stats = ld.pipeline.get_stats()
     if w is not ld:

@@ -9,27 +9,12 @@ import pytest
 from torchtitan_ext.pipeline import checkpoint
 from torchtitan_ext.pipeline.grain_adapter import FromGrain, ToGrain
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
-from torchtitan_ext.pipeline.stage import Map, Stage
+from torchtitan_ext.pipeline.stage import Map
+
+from .test_pipeline_core import Counter  # 0, 1, ..., n-1; state = the next value
 
 grain = pytest.importorskip("grain")
 gx = pytest.importorskip("grain.experimental")
-
-
-class Counter(Stage[int]):
-    def __init__(self, n: int) -> None:
-        self.n, self.i = n, 0
-
-    def next(self) -> int:
-        if self.i >= self.n:
-            raise StopIteration
-        self.i += 1
-        return self.i - 1
-
-    def state(self) -> dict:
-        return {"i": self.i}
-
-    def reset(self, state: dict | None = None) -> None:
-        self.i = 0 if state is None else int(state["i"])
 
 
 def grain_pipeline():
