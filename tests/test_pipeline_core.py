@@ -78,3 +78,35 @@ def test_envelope_round_trip_is_pickle_free() -> None:
         ckpt.open_envelope({"dp_rank_0": {}, "world_size": 1}, "toy", 1)
     with pytest.raises(TypeError, match=r"toy.ranks\[0\].bad"):
         ckpt.envelope("toy", [{"bad": object()}])
+
+
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda e: e["global"].__setitem__("ranks", "junk"), "ranks are a str, not a list"),
+        (lambda e: e["global"].__setitem__("ranks", ("junk",)), "rank 0's saved state is a str"),
+        (lambda e: e["global"].__setitem__("ranks", ({},)), "rank 0's saved state lacks i"),
+    ],
+    ids=["ranks-str", "rank-str", "rank-missing-key"],
+)
+def test_a_damaged_envelope_is_one_line_naming_the_rank(damage, needle) -> None:
+    """Before: a string's characters counted as ranks, a KeyError deep in a stage, or (VL) an
+    empty state silently resumed from defaults."""
+    env = ckpt.envelope("toy", [{"i": 3}])
+    damage(env)
+    with pytest.raises(ckpt.LoaderStateError, match=needle):
+        ckpt.open_envelope(env, "toy", 1, like={"i": 0})
+
+
+class FailsTwice(Counter):
+    def state_after_error(self) -> dict:
+        raise RuntimeError("no state either")
+
+
+def test_prefetch_relays_the_first_error_when_state_after_error_fails_too() -> None:
+    p = Prefetch(FailsTwice(10, fail_at=2), PrefetchOptions(queue_size=2), name="toy")
+    assert [p.next(), p.next()] == [0, 1]
+    with pytest.raises(KeyError, match="bad row 2") as ei:
+        p.next()
+    assert any("state_after_error() failed too" in n for n in ei.value.__notes__)
+    p.close()

@@ -149,7 +149,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         is a fresh start; another format is refused in one line (``LoaderStateError``)."""
         if not state_dict:
             return  # an empty state is valid (fresh start), as in torchtitan
-        ranks = checkpoint.open_envelope(state_dict, LOADER, self.dp_world_size)
+        ranks = checkpoint.open_envelope(state_dict, LOADER, self.dp_world_size, self.rank_state())
         state = resume_state(
             ranks, self.dp_rank, self.dp_world_size, self.loader.source.epoch_units
         )

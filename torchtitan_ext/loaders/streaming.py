@@ -176,7 +176,15 @@ class StreamingTextDataLoader(BaseDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return  # an empty state is valid (fresh start), as in torchtitan
-        ranks = checkpoint.open_envelope(state_dict, NAME, self.dp_world_size)
+        ranks = checkpoint.open_envelope(state_dict, NAME, self.dp_world_size, self.rank_state())
+        try:
+            mine = self._mine(ranks)
+            self.stage.reset(mine if self.config.num_workers > 0 else mine["workers"][0])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise checkpoint.LoaderStateError(f"{NAME}: cannot resume this state: {e!r}") from e
+
+    def _mine(self, ranks: list[Any]) -> dict[str, Any]:
+        """This rank's state out of the old ranks' (the same slots, or the rest re-dealt)."""
         old = [slot for r in ranks for slot in r["workers"]]
         if len(ranks) == self.dp_world_size and len(ranks[0]["workers"]) == self.workers:
             mine = ranks[self.dp_rank]
@@ -192,7 +200,7 @@ class StreamingTextDataLoader(BaseDataLoader):
             )
             merged = merge(old, self.nslots)
             mine = {"workers": [merged[s] for s in self.slots], "next": 0}
-        self.stage.reset(mine if self.config.num_workers > 0 else mine["workers"][0])
+        return mine
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict[str, Any]:

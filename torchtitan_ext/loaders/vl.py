@@ -170,6 +170,8 @@ class CachedVLDataLoader(BaseDataLoader):
                 f"{LOADER}: the checkpoint's DP ranks hold different positions; a cached_vl "
                 "state is the same on every rank (was it written by another loader version?)"
             )
+        self.reader.check_source(ranks[0])  # first: its message says more than missing keys
+        checkpoint.check_like(ranks, self.rank_state(), LOADER)
         self.reader.load_rank_state(ranks[0])
 
     def get_stats(self) -> dict[str, float]:

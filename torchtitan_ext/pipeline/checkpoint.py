@@ -100,9 +100,14 @@ def envelope(loader: str, rank_states: Sequence[Any], resumable_at: str = "any")
     }
 
 
-def open_envelope(value: dict[str, Any], loader: str, dp_world_size: int) -> list[Any]:
+def open_envelope(
+    value: dict[str, Any], loader: str, dp_world_size: int, like: dict[str, Any] | None = None
+) -> list[Any]:
     """The decoded per-rank states of a checkpoint value, after checking that ``loader`` at
-    ``dp_world_size`` ranks may resume from it; :class:`LoaderStateError` (one line) if not."""
+    ``dp_world_size`` ranks may resume from it; :class:`LoaderStateError` (one line) if not.
+    ``like``: a state of this loader (its own ``rank_state()``); every saved rank state must be
+    a dict holding at least its keys, so a damaged or foreign state is named here rather than
+    failing with a bare ``KeyError`` deep in a stage (or, worse, resuming from defaults)."""
     env = value.get(KEY) if isinstance(value, dict) else None
     if not isinstance(env, dict) or env.get("format") != FORMAT:
         keys = sorted(value) if isinstance(value, dict) else type(value).__name__
@@ -128,12 +133,38 @@ def open_envelope(value: dict[str, Any], loader: str, dp_world_size: int) -> lis
             f"{loader}: the dataloader state was saved by {saved} DP ranks and resumes only at "
             f"that degree, this run has {dp_world_size}"
         )
-    ranks = [decode(s) for s in env["ranks"]]
+    raw = env["ranks"]
+    if not isinstance(raw, (list, tuple)):
+        raise LoaderStateError(
+            f"{loader}: the dataloader state's ranks are a {type(raw).__name__}, not a list of "
+            "rank states (a damaged checkpoint?)"
+        )
+    ranks = [decode(s) for s in raw]
     if len(ranks) != saved:
         raise LoaderStateError(
             f"{loader}: the dataloader state names {saved} DP ranks but holds {len(ranks)}"
         )
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict):
+            raise LoaderStateError(
+                f"{loader}: DP rank {i}'s saved state is a {type(r).__name__}, not a dict "
+                "(a damaged checkpoint?)"
+            )
+    if like is not None:
+        check_like(ranks, like, loader)
     return ranks
+
+
+def check_like(ranks: list[dict[str, Any]], like: dict[str, Any], loader: str) -> None:
+    """Every saved rank state holds at least the keys of ``like`` (a state of this loader);
+    :class:`LoaderStateError` naming the rank and the keys if not."""
+    for i, r in enumerate(ranks):
+        missing = sorted(set(like) - set(r))
+        if missing:
+            raise LoaderStateError(
+                f"{loader}: DP rank {i}'s saved state lacks {', '.join(missing)} "
+                "(a damaged checkpoint, or one of another loader version?)"
+            )
 
 
 def gather(local_state: Any, dp_rank: int, dp_world_size: int) -> list[Any]:

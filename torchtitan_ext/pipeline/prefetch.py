@@ -167,8 +167,7 @@ class _Worker:
                 if not self.q.put(_Item(value, st), self.stop_event):
                     return
         except BaseException as e:  # noqa: BLE001 - relayed to the consumer, which re-raises it
-            after = getattr(up, "state_after_error", None)
-            self.q.put(_Failure(e, after() if after is not None else None), self.stop_event)
+            self.q.put(_Failure(e, _state_after(up, e)), self.stop_event)
         finally:
             self.priority.leave_current_thread()
             self.priority.close()
@@ -178,6 +177,19 @@ class _Worker:
         self.upstream.interrupt()  # a stage waiting for a read returns now, not after it
         self.q.clear()
         return not threads.join([self.thread], timeout, logger, "left running as a daemon")
+
+
+def _state_after(up: Stage[Any], exc: BaseException) -> State | None:
+    """The upstream's ``state_after_error()`` where it has one; None if it has none or fails
+    itself (noted on ``exc``): the original error must still reach the consumer."""
+    after = getattr(up, "state_after_error", None)
+    if after is None:
+        return None
+    try:
+        return after()
+    except Exception as e:  # noqa: BLE001 - secondary; the relayed error is the first one
+        exc.add_note(f"(state_after_error() failed too: {type(e).__name__}: {e})")
+        return None
 
 
 def _shutdown(ref: list[_Worker | None], timeout: float = 10.0) -> bool:

@@ -213,14 +213,19 @@ class VLReader:
         ints for the online source), the same on every rank; ``source`` 0: cache, 1: online."""
         return position_of(self.pipeline.state())
 
-    def load_rank_state(self, position: State) -> None:
-        """Restore a :meth:`rank_state` (saved at any DP degree); reading restarts there."""
+    def check_source(self, position: State) -> None:
+        """A position saved reading the other source (cache vs online) is refused: the orders
+        differ. ValueError naming both."""
         saved_online = int(position.get("source", 0)) == SOURCE_ONLINE
         if saved_online != (self.source == "online"):
             raise ValueError(
                 f"VL loader state was saved from the {'online' if saved_online else 'cache'} "
                 f"source but this loader reads from the {self.source}; the orders differ"
             )
+
+    def load_rank_state(self, position: State) -> None:
+        """Restore a :meth:`rank_state` (saved at any DP degree); reading restarts there."""
+        self.check_source(position)
         self.pipeline.reset(with_position(self.pipeline.state(), dict(position)))
 
     # -- stats ----------------------------------------------------------------------------------
