@@ -8,19 +8,9 @@ from torchtitan_ext.data.cachedir import MANIFEST
 from torchtitan_ext.data.embedded import (
     corpus_documents,
     ensure_embedded_data,
-    repair_mojibake,
     source_text,
 )
 from torchtitan_ext.text.tokenize import TextTokenizer
-
-
-def test_mojibake_repair_fixes_double_encoding_and_keeps_good_text():
-    assert repair_mojibake("PÃ¡vlovich, Ã‰cole, Ã€ bientÃ´t, lÃ  bas") == (
-        "Pávlovich, École, À bientôt, là bas"
-    )
-    assert repair_mojibake("nÃ³—yes") == "nó—yes"  # a genuine em dash after the sequence
-    good = "café “quotes” naïve — 東京 Война ok’s"
-    assert repair_mojibake(good) == good
 
 
 def test_shipped_texts_are_clean():

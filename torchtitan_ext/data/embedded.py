@@ -32,14 +32,13 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import re
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 from torchtitan_ext.data.cachedir import build_atomically, cache_root
 
-FORMAT_VERSION = 3  # 2: tokenizer trained by our BPE trainer; 3: mojibake repaired
+FORMAT_VERSION = 3  # 2: tokenizer trained by our BPE trainer; 3: double-encoded UTF-8 repaired
 SOURCES = ("war_and_peace.txt.gz", "tinyshakespeare.txt.gz")
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -48,42 +47,10 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 DEFAULT_VOCAB_SIZE = 2048
 
 
-# A UTF-8 multi-byte sequence mis-decoded as cp1252 / Latin-1 ("Ã¡" for "á", "Ã‰" for "É"): a
-# lead character U+00C2..U+00F4, then 1-3 characters that stand for bytes 0x80..0xBF.
-_CP1252_HIGH = "€‚ƒ„…†‡ˆ‰Š‹ŒŽ‘’“”•–—˜™š›œžŸ"
-_MOJIBAKE = re.compile(f"[\u00c2-\u00f4][\u0080-\u00bf{_CP1252_HIGH}]{{1,3}}|\u00c3 ")
-
-
-def _as_byte(ch: str) -> int:
-    try:
-        return ch.encode("cp1252")[0]
-    except UnicodeEncodeError:
-        return ord(ch)  # U+0080..U+009F, undefined in cp1252: Latin-1
-
-
-def _repair(match: re.Match[str]) -> str:
-    s = match.group(0)
-    if s == "\u00c3 ":  # "à" whose NBSP byte (0xA0) became a plain space
-        return "\u00e0"
-    # Longest decodable prefix first: "Ã³—" is "ó" followed by a genuine em dash.
-    for k in range(len(s), 1, -1):
-        try:
-            return bytes(_as_byte(c) for c in s[:k]).decode("utf-8") + s[k:]
-        except UnicodeDecodeError:
-            continue
-    return s  # not a mis-decoded sequence after all: keep the text as it is
-
-
-def repair_mojibake(text: str) -> str:
-    """Undo double-encoded UTF-8 (the Gutenberg War and Peace file has ~5,200 such spots, e.g.
-    "PÃ¡vlovich" for "Pávlovich", "Ã‰" for "É"); correct text is left unchanged."""
-    return _MOJIBAKE.sub(_repair, text)
-
-
 def source_text(name: str) -> str:
-    """One shipped source text, decompressed, with double-encoded UTF-8 repaired."""
+    """One shipped source text, decompressed (shipped clean: ``tests/test_shipped_text.py``)."""
     with resources.files("torchtitan_ext.data").joinpath(name).open("rb") as f:
-        return repair_mojibake(gzip.decompress(f.read()).decode("utf-8"))
+        return gzip.decompress(f.read()).decode("utf-8")
 
 
 def _paragraphs(text: str) -> list[str]:
