@@ -44,6 +44,9 @@ class _Counted:
             self.bar.update(1)
             yield batch
 
+    def __getattr__(self, name: str) -> Any:  # get_stats() (the loader's epoch), close()
+        return getattr(self.loader, name)
+
 
 def _with_progress(make, bar):
     return lambda rank: _Counted(make(rank), bar)

@@ -160,3 +160,33 @@ def test_under_torchrun(corpus, tokenizer, tmp_path):  # noqa: F811
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["doc_dup_rate"] == 0 and rep["coverage"]["0"] == 1.0
     assert "2 rank(s)" in p.stdout
+
+
+class _EpochLoader:
+    """Two epochs of the same four rows (no document ids), reporting its epoch as the
+    Parquet loader does (``get_stats()['epoch']``, as of the last batch returned)."""
+
+    def __init__(self, report_epoch: bool) -> None:
+        self.report_epoch, self.epoch, self.k = report_epoch, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.k == 4:
+            raise StopIteration
+        self.epoch, i = divmod(self.k, 2)
+        self.k += 1
+        tokens = torch.arange(9).reshape(1, 9) + 100 * i
+        return {"input": tokens[:, :-1]}, tokens[:, 1:]
+
+    def get_stats(self) -> dict:
+        return {"epoch": self.epoch} if self.report_epoch else {}
+
+
+def test_a_loader_without_document_ids_is_judged_per_reported_epoch():
+    m = run_check(lambda r: _EpochLoader(report_epoch=True), 1, 0, batches=4)
+    assert m.r.window_duplicates == 0 and m.r.window_repeats_across_epochs == 2
+    # without an epoch the replay is indistinguishable from the take(N) bug: duplicates
+    m = run_check(lambda r: _EpochLoader(report_epoch=False), 1, 0, batches=4)
+    assert m.r.window_duplicates == 2
