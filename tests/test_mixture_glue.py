@@ -9,7 +9,6 @@ shape they will have.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -23,12 +22,12 @@ import pytest
 
 from tests.conftest import REPO
 from tests.support import mix_toy
+from tests.support.mix_toy import mix_config, sources_toml
 from torchtitan_ext.config import ConfigError, load_config
 from torchtitan_ext.loaders.integration import LoaderStats, loader_stats, read_stats
 from torchtitan_ext.metrics import data_step
 from torchtitan_ext.pipeline.mix import SourceSpec
 
-TOY = REPO / "tests" / "data" / "configs" / "toy_debug.toml"
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -39,30 +38,7 @@ def _registered():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    """Two toy JSONL sources, ``web.jsonl`` and ``code.jsonl`` (40 documents each)."""
-    d = tmp_path_factory.mktemp("mix_data")
-    for name, word in (("web", "hello web page "), ("code", "def f(): return 1 ")):
-        lines = [json.dumps({"text": word * (1 + i % 5) + str(i)}) for i in range(40)]
-        (d / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    return d
-
-
-def sources_toml(data: Path, section: str = "dataloader", **extra: str) -> str:
-    out = ""
-    for name, weight in (("web", 7), ("code", 3)):
-        out += f'\n[[{section}.sources]]\nname = "{name}"\nweight = {weight}\n'
-        out += f'path = "{data / f"{name}.jsonl"}"\n'
-        out += "".join(f"{k} = {v}\n" for k, v in extra.items())
-    return out
-
-
-def mix_config(tmp: Path, data: Path, body: str = "", sources: str | None = None) -> Path:
-    """toy_debug.toml with ``[dataloader]`` the mixture toy over ``data`` (or ``sources``)."""
-    base = TOY.read_text().replace('name = "toy"\nvocab_size = 200', 'name = "mix_toy"')
-    text = base + (sources_toml(data) if sources is None else sources) + body
-    f = tmp / "mix.toml"
-    f.write_text(text)
-    return f
+    return mix_toy.write_sources(tmp_path_factory.mktemp("mix_data"))
 
 
 # ------------------------------------------------------------------------------ the TOML layer
@@ -119,13 +95,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_help_works_with_the_sources_field(tmp_path, data):
-    out = _cli(
-        "-m", "tests.support.mix_toy", "--config-file", str(mix_config(tmp_path, data)), "--help"
-    )
+    """The train command's ``--help`` (tyro) with a loader Config that has ``sources``."""
+    f = mix_config(tmp_path, data)
+    out = _cli("-m", "tests.support.mix_toy", "--config-file", str(f), "--help")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "dataloader.sources" in out.stdout
-    plain = _cli("-m", "torchtitan_ext.train", "--help")
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert "dataloader.sources" in out.stdout and "dataloader.mix-stop" in out.stdout
 
 
 # --------------------------------------------------------------------- step line and backends

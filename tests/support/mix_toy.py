@@ -13,6 +13,7 @@ Prefetch's own counters), each source also counting ``tokens``. Same-degree resu
 from __future__ import annotations
 
 import glob
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,37 @@ def register() -> None:
     from torchtitan_ext.registry import register_loader
 
     register_loader(NAME, "tests.support.mix_toy:MixToyLoader.Config", overwrite=True)
+
+
+# ------------------------------------------------------------------------- test configs
+TOY_TOML = Path(__file__).resolve().parents[1] / "data" / "configs" / "toy_debug.toml"
+
+
+def write_sources(d: Path) -> Path:
+    """Two toy JSONL sources in ``d``, ``web.jsonl`` and ``code.jsonl`` (40 documents each)."""
+    for name, word in (("web", "hello web page "), ("code", "def f(): return 1 ")):
+        lines = [json.dumps({"text": word * (1 + i % 5) + str(i)}) for i in range(40)]
+        (d / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def sources_toml(data: Path, section: str = "dataloader") -> str:
+    """``[[section.sources]]`` tables: ``web`` (weight 7) and ``code`` (weight 3) in ``data``."""
+    out = ""
+    for name, weight in (("web", 7), ("code", 3)):
+        out += f'\n[[{section}.sources]]\nname = "{name}"\nweight = {weight}\n'
+        out += f'path = "{data / f"{name}.jsonl"}"\n'
+    return out
+
+
+def mix_config(tmp: Path, data: Path, body: str = "", sources: str | None = None) -> Path:
+    """``tests/data/configs/toy_debug.toml`` with ``[dataloader]`` this loader over the sources
+    of ``data`` (or the ``[dataloader]`` keys ``sources``), plus ``body``; written to ``tmp``."""
+    base = TOY_TOML.read_text().replace('name = "toy"\nvocab_size = 200', f'name = "{NAME}"')
+    text = base + (sources_toml(data) if sources is None else sources) + body
+    f = tmp / "mix.toml"
+    f.write_text(text)
+    return f
 
 
 if __name__ == "__main__":
