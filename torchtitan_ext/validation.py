@@ -39,6 +39,7 @@ import torch.nn as nn
 from torchtitan.components.validate import Validator
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.metrics import DataMetricsProcessor
 from torchtitan_ext.pipeline.mix import MixOptions, SourceSpec, normalized
 
 LOSS_KEY = "validation_metrics/source/{}/loss"
@@ -91,6 +92,12 @@ class MixValidator(Validator):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.specs = mixture_of(self.dl_config)
+        if self.specs and not isinstance(self.metrics_processor, DataMetricsProcessor):
+            raise TypeError(
+                "[validator.dataloader] is a mixture: the loss per source needs the trainer's "
+                f"metrics processor to be a DataMetricsProcessor, got "
+                f"{type(self.metrics_processor).__qualname__}"
+            )
         # one single-source Config per source, built (and checked) once
         self.source_configs = [source_config(self.dl_config, s) for s in self.specs or []]
 
@@ -98,6 +105,7 @@ class MixValidator(Validator):
         if not self.specs:
             return super().validate(model_parts, step)
         mp = self.metrics_processor
+        assert isinstance(mp, DataMetricsProcessor)  # checked in __init__
         mixed, losses = self.dl_config, {}
         try:
             for spec, cfg in zip(self.specs, self.source_configs, strict=True):
@@ -105,6 +113,7 @@ class MixValidator(Validator):
                 with mp.collect_validation() as got:
                     super().validate(model_parts, step)
                 losses[spec.name] = got.loss
+                # the start of torchtitan 0.3.0's line (components/metrics.py:567), per source
                 logger.info(f"validate step: {step:2}  loss/{spec.name}: {got.loss:7.4f}")
         finally:
             self.dl_config = mixed
