@@ -183,7 +183,9 @@ def test_mix_stage_stats_reach_the_line_with_their_realised_shares(tmp_path, dat
     assert web["items"] + code["items"] == 20
     metrics, line = data_step(read.flat, [], {}, 1, read.sources)
     assert metrics["data/source/web/share"] == web["items"] / 20
-    assert metrics["data/source/web/tokens"] == web["items"] * 2 * 32  # rows x (seq_len + 1) - 1
+    assert (
+        metrics["data/source/web/tokens"] == web["items"] * 2 * 32
+    )  # labels: batches x 2 rows x seq_len
     assert f"web {100 * web['items'] / 20:.1f}".removesuffix(".0") + "%/70%" in line
 
 

@@ -75,7 +75,10 @@ def check_mixture(job: Job) -> None:
 
 def _saved_rank_states(job: Job, step_dir: Path) -> list[Any] | None:
     """The DP ranks' loader states of the checkpoint's envelope (encoded), or None when its
-    loader state is not one envelope (another loader's, or none)."""
+    loader state is not one envelope (another loader's, or none). Read with torch's
+    ``_load_state_dict_from_keys`` (private in torch 2.13: the one DCP reader that loads a key
+    without a template of its structure; no process group needed); only the ``dataloader`` key
+    is read, a few MB at most (the text loaders' packer buffers)."""
     from torchtitan_ext.pipeline import checkpoint
     from torchtitan_ext.preflight.checkpoint import _damaged, _metadata_keys
 
