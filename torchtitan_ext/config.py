@@ -50,6 +50,7 @@ cpu_compat.apply()
 logs.install()  # before torchtitan builds its first Config (see logs' docstring)
 
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from torchtitan_ext import cli_args as cli  # noqa: E402
@@ -61,6 +62,7 @@ from torchtitan_ext.toml_config import (  # noqa: E402
     read_toml,
     translate_legacy_sections,
 )
+from torchtitan_ext.validation import MixValidator  # noqa: E402
 
 EMBEDDED = "embedded"
 
@@ -141,6 +143,10 @@ class ExtTrainer(Trainer):
                                   it with the next job's) and of its model (what
                                   ``torchtitan-ext-export`` needs); the last save in HF format
                                   also gets ``config.json`` and the job's processor
+    ``[validator]``               builds :class:`~torchtitan_ext.validation.MixValidator`
+                                  (from torchtitan's plain ``Validator.Config``; a model's
+                                  own validator is kept): with a mixture as
+                                  ``[validator.dataloader]``, the loss of each source
     ============================  ==========================================================
     """
 
@@ -171,6 +177,9 @@ class ExtTrainer(Trainer):
             self.checkpoint = _as_ours(
                 RecordingCheckpointManager.Config, self.checkpoint, "checkpoint"
             )
+            # torchtitan's plain Validator becomes ours; a model's own (e.g. Flux's) is kept
+            if type(self.validator) is Validator.Config:
+                self.validator = _as_ours(MixValidator.Config, self.validator, "validator")
 
     def __init__(self, config: Config):
         super().__init__(config)

@@ -22,11 +22,21 @@ line                        backends                             source
 ``skipped: N``              ``data/docs_skipped`` or             ``docs_skipped`` / ``skipped``
                             ``data/skipped``
 ``epoch: N``                ``data/epoch``                       ``epoch``
+``mix: web 70.2%/70% ...``  ``data/source/<name>/share``,        a mixture's ``sources`` (the
+                            ``.../target``                       ``Mix.stats`` shape): realised
+                                                                 share of the items (rows) / the
+                                                                 normalised weight, per source
+(not on the line)           ``data/source/<name>/tokens``,       the source's own ``tokens`` (VL)
+                            ``.../items``, ``.../ended``, and    or ``tokens_read`` (text)
+                            ``.../images``, ``.../patches``      counter, its items, whether it
+                            where the source counts them         ended, its VL counters
 (not on the line)           ``data/<key>``                       every other numeric stat
 ==========================  ===================================  ===============================
 
 Stats are the loader's ``get_stats()`` (nested dicts flattened with ``.``, booleans as 0/1), read
-on each rank from its own loader. Invariant: the line and the backends show the same values.
+on each rank from its own loader. Invariant: the line and the backends show the same values
+(the line's percentages are the backends' fractions x 100, to one decimal). ``mix:`` is on the
+line only for two sources or more; a source that ended is marked ``(ended)`` there.
 
 Why :meth:`DataMetricsProcessor.log` is a whole method and not a call to torchtitan's: torchtitan
 0.3.0 computes the step's metrics, sends them and prints the line in one method
@@ -40,14 +50,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.loaders.integration import loader_stats
+from torchtitan_ext.loaders.integration import LoaderStats, read_stats
 
 PREFIX = "data/"
 
@@ -62,6 +73,39 @@ LINE_KEYS = (
 # Cumulative counters shown as a mean per step since the previous line (VL: images and vision
 # patches the loader handed to the trainer).
 PER_STEP_KEYS = (("images", "images"), ("patches", "patches"))
+# Per source of a mixture: backend name -> the source's counters that give it, first found.
+SOURCE_KEYS = (
+    ("tokens", ("tokens", "tokens_read")),
+    ("items", ("items",)),
+    ("share", ("share",)),
+    ("target", ("target",)),
+    ("ended", ("ended",)),
+    ("images", ("images",)),
+    ("patches", ("patches",)),
+)
+
+
+def _pct(fraction: float) -> str:
+    """``0.7`` -> ``"70%"``, ``0.7023`` -> ``"70.2%"`` (one decimal, a trailing .0 dropped)."""
+    return f"{100.0 * fraction:.1f}".removesuffix(".0") + "%"
+
+
+def source_step(
+    sources: Mapping[str, Mapping[str, float]],
+) -> tuple[dict[str, float], str | None]:
+    """A mixture's per-source metrics (:data:`SOURCE_KEYS`, ``data/source/<name>/<key>``) and
+    its line part (``mix: web 70.2%/70% code 29.8%/30%``; None for fewer than two sources)."""
+    metrics: dict[str, float] = {}
+    parts = []
+    for name, st in sources.items():
+        for out_key, keys in SOURCE_KEYS:
+            found = next((st[k] for k in keys if k in st), None)
+            if found is not None:
+                metrics[f"{PREFIX}source/{name}/{out_key}"] = found
+        if "share" in st and "target" in st:
+            ended = " (ended)" if st.get("ended") else ""
+            parts.append(f"{name} {_pct(st['share'])}/{_pct(st['target'])}{ended}")
+    return metrics, ("mix: " + " ".join(parts)) if len(sources) >= 2 and parts else None
 
 
 def data_step(
@@ -69,12 +113,14 @@ def data_step(
     waits_s: list[float],
     last: Mapping[str, float],
     batches_per_step: int,
+    sources: Mapping[str, Mapping[str, float]] | None = None,
 ) -> tuple[dict[str, float], str]:
     """One logged step's data metrics and line summary (pure; see the module's table).
 
     ``stats``: the loader's flattened stats now; ``waits_s``: the per-batch waits since the
     previous line; ``last``: the cumulative :data:`PER_STEP_KEYS` counters at the previous line
-    (the caller keeps the new ones, which are in ``stats``)."""
+    (the caller keeps the new ones, which are in ``stats``); ``sources``: a mixture's per-source
+    counters (``LoaderStats.sources``), None or empty for one dataset."""
     wait_ms = 1000.0 * sum(waits_s) / max(1, len(waits_s))
     metrics = {f"{PREFIX}{k}": v for k, v in stats.items()}
     metrics[f"{PREFIX}wait_ms"] = wait_ms
@@ -94,7 +140,19 @@ def data_step(
                 parts.append(f"{label}: {int(val)}/{int(cap)}")
             else:
                 parts.append(f"{label}: {val:g}")
+    if sources:
+        per_source, mix = source_step(sources)
+        metrics.update(per_source)
+        if mix is not None:
+            parts.append(mix)
     return metrics, "  ".join(parts)
+
+
+@dataclass
+class CollectedValidation:
+    """The loss of one validation pass, kept by :meth:`DataMetricsProcessor.collect_validation`."""
+
+    loss: float = math.nan
 
 
 class DataMetricsProcessor(MetricsProcessor):
@@ -111,6 +169,7 @@ class DataMetricsProcessor(MetricsProcessor):
         self.loader: Any = None
         self.batches_per_step = 1
         self._last_counters: dict[str, float] = {}
+        self._collecting: CollectedValidation | None = None
 
     def follow_loader(self, loader: Any, batches_per_step: int) -> None:
         """Report ``loader``'s ``get_stats()`` with each step; ``batches_per_step`` = gradient
@@ -128,9 +187,14 @@ class DataMetricsProcessor(MetricsProcessor):
     ) -> None:
         """torchtitan's ``log`` (same metrics, same line), plus the data stats."""
         assert self.num_flops_per_token > 0, "num_flops_per_token must be set"
-        stats = loader_stats(self.loader) if self.loader is not None else {}
+        read = read_stats(self.loader) if self.loader is not None else LoaderStats()
+        stats = read.flat
         data, summary = data_step(
-            stats, list(self.data_loading_times), self._last_counters, self.batches_per_step
+            stats,
+            list(self.data_loading_times),
+            self._last_counters,
+            self.batches_per_step,
+            read.sources,
         )
         self._last_counters.update({k: stats[k] for k, _ in PER_STEP_KEYS if k in stats})
         metrics, line = self._torchtitan_step(step, global_avg_loss, global_max_loss, grad_norm)
@@ -143,6 +207,27 @@ class DataMetricsProcessor(MetricsProcessor):
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+    @contextmanager
+    def collect_validation(self) -> Iterator[CollectedValidation]:
+        """Within: :meth:`log_validation` keeps the loss in the yielded object instead of
+        logging it (and leaves the tps counters running), so a validator can run torchtitan's
+        pass per source and log them together (:mod:`torchtitan_ext.validation`)."""
+        got = CollectedValidation()
+        self._collecting = got
+        try:
+            yield got
+        finally:
+            self._collecting = None
+
+    def log_validation(
+        self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None
+    ) -> None:
+        """torchtitan's ``log_validation``; inside :meth:`collect_validation`, the loss is kept."""
+        if self._collecting is not None:
+            self._collecting.loss = float(loss)
+            return
+        super().log_validation(loss, step, extra_metrics)
 
     def _torchtitan_step(
         self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float

@@ -510,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
-    from torchtitan_ext.loaders.integration import loader_stats
+    from torchtitan_ext.loaders.integration import loader_stats, read_stats
+    from torchtitan_ext.peek_render import mix_summary
 
     name = loader_name(target)
     loader = None
@@ -604,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, b in enumerate(batches):
                 shapes = ", ".join(f"{k} {list(a.shape)} {a.dtype}" for k, a in b.items())
                 print(f"batch {i}: {shapes}")
+        mix = mix_summary(read_stats(loader).sources)
+        if mix is not None:
+            print(f"peek: {mix} (after {len(batches)} batches)")
     except (ConfigError, PeekConfigError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -12,6 +12,8 @@ loader made it:
 * per-row numbers: documents, fill (non-pad tokens / row length), masked positions; per batch, the
   change of the loader's crop / skip counters since the previous batch (``get_stats()``): cropping is
   counted per batch by the loaders, so that is as fine as the stats allow.
+* a mixture (``[[dataloader.sources]]``): :func:`mix_summary`, the per-source counts and shares
+  after the last batch, one line (``peek`` prints it in every mode).
 
 ``--render``: text batches as one coloured strip per row (a colour per document, masked positions
 paler, BOS black / EOS red ticks, pad grey), with document names and a decoded snippet; VL batches
@@ -245,6 +247,23 @@ def stats_delta(cur: Mapping[str, float], prev: Mapping[str, float]) -> dict[str
         if any(w in k for w in _COUNTER_WORDS) and not k.endswith(("pct", "%")):
             out[k] = v - prev.get(k, 0.0)
     return out
+
+
+def mix_summary(sources: Mapping[str, Mapping[str, float]]) -> str | None:
+    """One line of a mixture's per-source counts (``LoaderStats.sources``): items handed over,
+    realised share and target, and tokens where the source counts them; None without one."""
+    if not sources:
+        return None
+    parts = []
+    for name, st in sources.items():
+        tokens = next((st[k] for k in ("tokens", "tokens_read") if k in st), None)
+        tok = f", {tokens:g} tokens" if tokens is not None else ""
+        ended = ", ended" if st.get("ended") else ""
+        parts.append(
+            f"{name} {st.get('items', 0):g} items{tok} {100 * st.get('share', 0.0):.1f}% "
+            f"(target {100 * st.get('target', 0.0):.1f}%{ended})"
+        )
+    return "mixture: " + "; ".join(parts)
 
 
 class Shower:

@@ -161,7 +161,9 @@ class Coercer:
                     for i, (x, a) in enumerate(zip(v, args, strict=False))
                 )
             elem = args[0] if args else Any
-            out = [self.value(x, elem, f"{where}[{i}]") for i, x in enumerate(v)]
+            # an array of tables ([[dataloader.sources]]) names its items "#i", as written
+            item = "{} #{}" if where.startswith("[[") else "{}[{}]"
+            out = [self.value(x, elem, item.format(where, i)) for i, x in enumerate(v)]
             return tuple(out) if origin is tuple else out
         if origin is dict or tp is dict:
             if not isinstance(v, dict):
@@ -225,6 +227,8 @@ class Coercer:
             current = getattr(obj, key)
             if isinstance(v, dict) and _is_loader_config_type(tp, current):
                 new = self.loader(current, v, f"{where}.{key}" if where else key)
+            elif _is_table_array(v, tp):  # [[where.key]] tables: errors say "[[where.key]] #i"
+                new = self.value(v, tp, f"[[{where}.{key}]]" if where else f"[[{key}]]", current)
             else:
                 new = self.value(v, tp, loc, current)
             setattr(obj, key, new)
@@ -235,14 +239,16 @@ class Coercer:
         flds = {f.name: f for f in fields(cls) if f.init and not f.name.startswith("_")}
         hints = _hints(cls)
         kwargs = {}
+        # an item of a [[table array]] is "[[dataloader.sources]] #0 key"; others "where.key"
+        sep = " " if where.startswith("[[") else "."
         for key, v in table.items():
             if key not in flds:
                 raise ConfigError(
-                    f"{self.file}: unknown key {where}.{key} for {cls.__qualname__}"
+                    f"{self.file}: unknown key {where}{sep}{key} for {cls.__qualname__}"
                     f"{did_you_mean(key, flds)} "
                     f"Valid keys: {', '.join(sorted(flds))}"
                 )
-            kwargs[key] = self.value(v, hints.get(key, flds[key].type), f"{where}.{key}")
+            kwargs[key] = self.value(v, hints.get(key, flds[key].type), f"{where}{sep}{key}")
         missing = [
             n
             for n, f in flds.items()
@@ -267,6 +273,17 @@ class Coercer:
                 raise ConfigError(f"{self.file}: [{where}] name: {e}") from None
             current = cls()
         return self.apply(current, table, where)
+
+
+def _is_table_array(v: Any, tp: Any) -> bool:
+    """``v`` is a TOML array of tables for a ``list[SomeDataclass]`` (or ``| None``) field."""
+    if not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v)):
+        return False
+    for t in (tp, *typing.get_args(tp)):
+        args = typing.get_args(t)
+        if typing.get_origin(t) is list and args and is_dataclass(args[0]):
+            return True
+    return False
 
 
 def _is_loader_config_type(tp: Any, current: Any) -> bool:

@@ -6,15 +6,16 @@
 - :func:`build_tokenizer` / :func:`build_loader` — build a config's tokenizer and loader with
   exactly the arguments ``torchtitan.trainer.Trainer.__init__`` passes (batch size, snapshot
   interval, staging), for tools that need the training loader without a trainer (peek).
-- :func:`loader_stats` — a loader's ``get_stats()`` flattened to numbers, which
-  :mod:`torchtitan_ext.metrics` appends to torchtitan's step line and sends to the metric
-  backends (TensorBoard / W&B).
+- :func:`read_stats` / :func:`loader_stats` — a loader's ``get_stats()`` flattened to numbers
+  (a mixture's per-source counters apart), which :mod:`torchtitan_ext.metrics` appends to
+  torchtitan's step line and sends to the metric backends (TensorBoard / W&B).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,24 +45,46 @@ def stage_loader(loader: Any, staging: StagingSection) -> Any:
     return wrap_for_device(loader, get_local_device(), enabled=True, **opts)
 
 
-def loader_stats(loader: Any) -> dict[str, float]:
-    """Numeric stats of a loader (``get_stats()``), flattened; {} when it has none."""
+@dataclass
+class LoaderStats:
+    """A loader's ``get_stats()`` as numbers: ``flat`` (nested dicts flattened with ``.``,
+    booleans as 0/1) and, for a mixture (the ``Mix.stats`` shape, whose top-level ``sources``
+    maps each source's name to its own counters), ``sources``: name -> its counters, flat too.
+    ``flat`` leaves ``sources`` out (a source's name may hold a ``.``)."""
+
+    flat: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _flatten(d: Any, prefix: str = "", out: dict[str, float] | None = None) -> dict[str, float]:
+    out = {} if out is None else out
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _flatten(v, f"{prefix}{k}.", out)
+        elif isinstance(v, (int, float)):  # a bool is an int: 0/1
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+def read_stats(loader: Any) -> LoaderStats:
+    """``loader.get_stats()`` read once, as :class:`LoaderStats`; empty when it has none."""
     get = getattr(loader, "get_stats", None)
     if get is None:
-        return {}
-    out: dict[str, float] = {}
+        return LoaderStats()
+    raw = dict(get())
+    per = raw.pop("sources", None)
+    sources = (
+        {str(n): _flatten(s) for n, s in per.items() if isinstance(s, dict)}
+        if isinstance(per, dict)
+        else {}
+    )
+    return LoaderStats(_flatten(raw), sources)
 
-    def walk(prefix: str, d: Any) -> None:
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(f"{prefix}{k}.", v)
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[f"{prefix}{k}"] = float(v)
-            elif isinstance(v, bool):
-                out[f"{prefix}{k}"] = float(v)
 
-    walk("", get())
-    return out
+def loader_stats(loader: Any) -> dict[str, float]:
+    """Numeric stats of a loader (``get_stats()``), flattened; {} when it has none. A mixture's
+    per-source counters are left out (:func:`read_stats` has them)."""
+    return read_stats(loader).flat
 
 
 def build_tokenizer(cfg: Any) -> Any | None:

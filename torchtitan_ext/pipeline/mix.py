@@ -323,3 +323,24 @@ def resume_mix(old: Sequence[State], rank: int, world: int, resume_chain: Resume
         "names": names,
         "sources": sources,
     }
+
+
+MIX_STATE_KEYS = frozenset(("draws", "stream", "ended", "taken", "names", "sources"))
+"""The keys of a :meth:`Mix.state` (how a mixture is recognised inside a loader's state)."""
+
+
+def saved_names(state: Any) -> list[str] | None:
+    """The source names of the first :meth:`Mix.state` found in a loader's rank state (a tree
+    of dicts and lists, possibly as the checkpoint envelope encodes it), or None where it holds
+    no mixture. Lists of numbers (token buffers) are not walked."""
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if MIX_STATE_KEYS <= node.keys() and isinstance(node["names"], list | tuple):
+                return [str(n) for n in node["names"]]
+            if "__ndarray__" not in node:
+                todo.extend(reversed(list(node.values())))
+        elif isinstance(node, list | tuple) and node and isinstance(node[0], dict | list | tuple):
+            todo.extend(reversed(node))
+    return None

@@ -11,8 +11,8 @@ launcher prints ``config error: ...`` and exits 2), or adds a line to ``job.note
 Checks are ``"module:function"`` strings, imported when they run (like the loader registry), in
 two lists:
 
-* :data:`CHECKS` — for every job, in order: paths, parallel degrees, tokenizer, text data,
-  checkpoint;
+* :data:`CHECKS` — for every job, in order: paths, mixtures, parallel degrees, tokenizer, text
+  data, checkpoint;
 * :data:`MODEL_CHECKS` — by ``[model] module``: a model package of ours adds its own with one
   entry, e.g. ``"qwen3_vl": ["torchtitan_ext.models.qwen3_vl.preflight:check"]``.
 
@@ -37,6 +37,7 @@ Check = Callable[["Job"], None]
 
 CHECKS: list[str | Check] = [
     "torchtitan_ext.preflight.paths:check_paths",
+    "torchtitan_ext.preflight.mixture:check_mixture",
     "torchtitan_ext.preflight.paths:check_parallelism",
     "torchtitan_ext.preflight.tokens:check_tokenizer",
     "torchtitan_ext.preflight.data:check_text_data",

@@ -214,3 +214,6 @@ def _check_data_state(job: Job, step_dir: Path) -> None:
             f"{job.file}: the checkpoint this job would resume from, {step_dir}, was saved with "
             f"{', '.join(diffs)}, so its data-loader state does not fit. {_WAYS_OUT}"
         )
+    from torchtitan_ext.preflight.mixture import check_saved_mixture
+
+    check_saved_mixture(job, step_dir)  # the same sources, read from the saved envelope

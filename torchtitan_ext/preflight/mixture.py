@@ -1,0 +1,114 @@
+"""Preflight checks of a data mixture (``[[dataloader.sources]]``), before the model is built.
+
+* :func:`check_mixture` (in :data:`~torchtitan_ext.preflight.CHECKS`): each mixture of the job
+  (``[dataloader]`` and, when the validator is on, ``[validator.dataloader]``) can be drawn from
+  (:func:`~torchtitan_ext.pipeline.mix.check_sources`: weights, names, ``max_epochs``, exactly
+  one of ``path`` / ``dataset``), and every source's local ``path`` (a file, a directory or a
+  glob) holds at least one data file.
+* :func:`check_saved_mixture` (run by :func:`~torchtitan_ext.preflight.checkpoint.
+  check_checkpoint` when the data state would be resumed): the checkpoint's mixture is the
+  configured one. Its source names come from the saved loader envelope itself (every DP rank's
+  state, read from the DCP checkpoint without building anything); a mixture whose sources were
+  added, removed or reordered is named in one line
+  (:func:`~torchtitan_ext.pipeline.mix.mismatch_message`), with the way to continue: the model
+  and optimizer from the checkpoint, the data stream afresh
+  (``--checkpoint.exclude_from_loading dataloader``).
+"""
+
+from __future__ import annotations
+
+import glob
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torchtitan_ext.pipeline.mix import (
+    MixOptions,
+    MixtureError,
+    check_sources,
+    mismatch_message,
+    saved_names,
+)
+from torchtitan_ext.preflight import Job
+from torchtitan_ext.toml_config import ConfigError
+
+
+def data_files(path: str) -> bool:
+    """``path`` names at least one file: the file itself, a file under the directory (at any
+    depth, hidden ones not counted), or a file the glob matches."""
+    if any(c in path for c in "*?["):
+        return any(Path(p).is_file() for p in glob.iglob(path, recursive=True))
+    p = Path(path)
+    if p.is_dir():
+        return any(
+            f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            for f in p.rglob("*")
+        )
+    return p.is_file()
+
+
+def configured_names(loader_cfg: Any) -> list[str]:
+    """The source names of a loader Config's mixture ([] for a single dataset)."""
+    if isinstance(loader_cfg, MixOptions) and loader_cfg.sources is not None:
+        return [s.name for s in loader_cfg.sources]
+    return []
+
+
+def check_mixture(job: Job) -> None:
+    """Every mixture of the job can be drawn from and its local paths hold data files."""
+    for section, loader_cfg in job.loaders():
+        if not isinstance(loader_cfg, MixOptions) or loader_cfg.sources is None:
+            continue
+        where = f"[[{section}.sources]]"
+        try:
+            check_sources(loader_cfg.sources, where)
+        except MixtureError as e:
+            raise ConfigError(f"{job.file}: {e}") from None
+        for spec in loader_cfg.sources:
+            if spec.path is not None and not data_files(spec.path):
+                raise ConfigError(
+                    f"{job.file}: {where} source {spec.name!r}: path = {spec.path!r} matches no "
+                    "data file; point it at a file, a directory holding the files, or a glob "
+                    "that matches them"
+                )
+
+
+def _saved_rank_states(job: Job, step_dir: Path) -> list[Any] | None:
+    """The DP ranks' loader states of the checkpoint's envelope (encoded), or None when its
+    loader state is not one envelope (another loader's, or none). Read with torch's
+    ``_load_state_dict_from_keys`` (private in torch 2.13: the one DCP reader that loads a key
+    without a template of its structure; no process group needed); only the ``dataloader`` key
+    is read, a few MB at most (the text loaders' packer buffers)."""
+    from torchtitan_ext.pipeline import checkpoint
+    from torchtitan_ext.preflight.checkpoint import _damaged, _metadata_keys
+
+    prefix = f"dataloader.{checkpoint.KEY}."
+    if not any(k.startswith(prefix) for k in _metadata_keys(job, step_dir)):
+        return None
+    meta = step_dir / ".metadata"
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        with warnings.catch_warnings():  # "no process group: loading in a single process"
+            warnings.simplefilter("ignore")
+            value = _load_state_dict_from_keys(keys={"dataloader"}, checkpoint_id=str(step_dir))
+        env = value["dataloader"][checkpoint.KEY]
+        ranks = list(env["ranks"])
+    except Exception as e:  # unreadable: named, with the ways out
+        raise _damaged(job, meta, e) from e
+    return ranks
+
+
+def check_saved_mixture(job: Job, step_dir: Path) -> None:
+    """The mixture saved in ``step_dir``'s loader state is the one ``[dataloader]`` configures
+    (the same source names in the same order); ConfigError naming what changed if not."""
+    now = configured_names(job.config.dataloader)
+    ranks = _saved_rank_states(job, step_dir)
+    if ranks is None:
+        return
+    saved = next((n for r in ranks if (n := saved_names(r)) is not None), [])
+    if saved != now:
+        raise ConfigError(
+            f"{job.file}: the checkpoint this job would resume from, {step_dir}: "
+            f"{mismatch_message(saved, now)}"
+        )
