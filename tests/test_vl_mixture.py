@@ -94,12 +94,15 @@ def test_running_counts_resume_the_sequence_anywhere() -> None:
     assert sequence(Walker(plan()), 463, pos) == full[437:]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_deal_the_global_sequence_round_by_round(world: int) -> None:
-    walker = Walker(plan())
-    full = sequence(walker, 60 * world)
+@pytest.mark.parametrize("limits", [None, (130, None, None)], ids=["endless", "one-ends"])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_ranks_deal_the_global_sequence_round_by_round(world: int, limits: Any) -> None:
+    """Rank r of W reads item r of every round of W (at 8 ranks by numpy while no source can
+    end within the round; item by item around the round where one ends)."""
+    full = sequence(Walker(plan(limits=limits)), 60 * world)
     ranks = []
     for r in range(world):
+        walker = Walker(plan(limits=limits))
         items = rank_items(walker, MixPos.start(3), world, r, "drop")
         ranks.append([(it.source, it.index) for it, _ in (next(items) for _ in range(60))])
     assert [ranks[i % world][i // world] for i in range(60 * world)] == full

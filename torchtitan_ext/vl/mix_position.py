@@ -152,6 +152,39 @@ class Walker:
             pos = after
         return out, pos
 
+    def rank_round(self, pos: MixPos, world: int, rank: int) -> tuple[Item | None, MixPos, int]:
+        """(item ``rank`` of the round from ``pos`` or None, the position after the round, the
+        round's item count): :meth:`round` for one rank. When no source can end within the
+        round (the usual case) and ``world >= 4`` the round is exactly the next ``world`` draws,
+        counted with numpy (measured ~90 us per pack at 64 ranks, ~180 us at 512, against
+        ~15 us per round item, item by item)."""
+        plan = self.plan
+        if world < 4 or any(
+            p > 0 and lim is not None and c + world > lim
+            for p, lim, c in zip(plan.p, plan.limits, pos.counts, strict=True)
+        ):
+            items, after = self.round(pos, world)
+            return (items[rank] if rank < len(items) else None), after, len(items)
+        src = self.sources(pos.pass_, pos.draws, world)
+        k = int(src[rank])
+        n = pos.counts[k] + int(np.count_nonzero(src[:rank] == k))
+        added = np.bincount(src, minlength=len(plan.lens))
+        counts = tuple(int(c + a) for c, a in zip(pos.counts, added, strict=True))
+        after = MixPos(pos.pass_, pos.draws + world, pos.items + world, counts)
+        return Item(k, self.pack(k, n, pos.pass_)), after, world
+
+    def sources(self, stream: int, start: int, n: int) -> np.ndarray:
+        """Sources of draws ``start ... start + n - 1`` of ``stream``."""
+        parts, d = [], start
+        while d < start + n:
+            self.source_of(stream, d)  # loads d's block
+            assert self._block is not None
+            lo = d % BLOCK
+            take = min(BLOCK - lo, start + n - d)
+            parts.append(self._block[1][lo : lo + take])
+            d += take
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def next_pass(self, pos: MixPos) -> MixPos | None:
         """The start of the pass after ``pos``'s, or None when passes do not repeat."""
         return MixPos.start(len(self.plan.lens), pos.pass_ + 1) if self.plan.passes else None
@@ -181,11 +214,13 @@ def rank_items(
         raise ValueError(f"need 0 <= rank < world, got {rank}, {world}")
     pos = walker.settle(anchor, world, remainder)
     while True:
-        items, after = walker.round(pos, world)
-        if len(items) == world:
-            yield items[rank], after
+        item, after, n = walker.rank_round(pos, world, rank)
+        if n == world:
+            assert item is not None
+            yield item, after
             pos = after
             continue
+        items, after = walker.round(pos, world)
         if remainder == "wrap" and items:
             start = MixPos.start(len(walker.plan.lens), pos.pass_)
             fill, _ = walker.round(start, world - len(items))
