@@ -8,6 +8,7 @@ Exact and elastic resume run in the one harness: the ``cached_vl_mix`` builder o
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -304,6 +305,28 @@ def test_sources_of_different_processors_are_one_line_naming_both(
 
 def _saved(ld: Any) -> dict[str, Any]:
     return checkpoint.envelope("cached_vl", [ld.rank_state()], "any")
+
+
+def test_the_position_names_its_mixture_as_mix_state_does(env: Any) -> None:
+    """The checkpointed position carries ``Mix.state``'s keys (tools that look for a mixture in
+    a loader's state find it) and plain values only."""
+    from torchtitan_ext.pipeline.mix import Mix
+
+    ld = build(env, mix(env))
+    try:
+        take(ld, 3)
+        pos = ld.rank_state()
+    finally:
+        ld.close()
+
+    class Empty:  # a chain, for Mix.state()'s keys
+        def state(self) -> dict:
+            return {}
+
+    mix_keys = set(Mix([Empty()], [SourceSpec(name="a", path="x")], seed=0).state())  # type: ignore[list-item]
+    assert mix_keys <= set(pos), mix_keys - set(pos)
+    assert pos["names"] == ["vqa", "chat"] and sum(pos["taken"]) == pos["items"] == 6
+    assert json.loads(json.dumps(pos)) == pos
 
 
 def test_a_checkpoint_of_another_mixture_is_one_line(env: Any) -> None:

@@ -234,7 +234,7 @@ class MixVLReader(VLReader):
 
     def check_source(self, position: State) -> None:
         """A position of another mixture, or of a single source, is refused in one line."""
-        saved = position.get("mix")
+        saved = position.get("names")
         if saved is None:
             raise MixtureError(
                 f"the checkpoint holds a single-source cached_vl position but {WHERE} is set "
@@ -243,7 +243,8 @@ class MixVLReader(VLReader):
             )
         if list(saved) != self.names:
             raise MixtureError(mismatch_message(list(saved), self.names))
-        lens, now = list(position["lens"]), list(self.walker.plan.lens)
+        lens = [int(s["packs"]) for s in position["sources"]]
+        now = list(self.walker.plan.lens)
         if lens != now or int(position["seed"]) != self.walker.plan.seed:
             changed = [n for n, a, b in zip(self.names, lens, now, strict=True) if a != b]
             raise MixtureError(

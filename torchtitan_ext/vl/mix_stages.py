@@ -39,27 +39,32 @@ from torchtitan_ext.vl.stages import SOURCE_CACHE, batch_arrays
 PER = ("packs", "tokens", "images", "patches")
 """Per-source counters, in the order of ``state["per"][k]``."""
 
-POSITION_KEYS = ("source", "mix", "pass", "draws", "items", "counts", "lens", "seed")
-"""The keys of a mixture position (the checkpointed part of the state)."""
+POSITION_KEYS = ("source", "names", "stream", "draws", "items", "taken", "ended", "sources", "seed")
+"""The keys of a mixture position (the checkpointed part of the state). Named as
+``pipeline.mix.Mix.state``'s (``names``, ``stream``, ``draws``, ``taken``, ``ended``,
+``sources``), so tools that find a mixture in a loader's state find this one: ``stream`` is the
+pass (its draw stream), ``taken`` the items of each source in the pass, ``sources`` each
+source's cache size (``{"packs": N}``)."""
 
 
 def position_state(pos: MixPos, names: Sequence[str], walker: Walker) -> dict[str, Any]:
     """A fresh dict of plain values: the global position and what it is a position *of*."""
     return {
         "source": SOURCE_CACHE,
-        "mix": list(names),
-        "pass": pos.pass_,
+        "names": list(names),
+        "stream": pos.pass_,
         "draws": pos.draws,
         "items": pos.items,
-        "counts": list(pos.counts),
-        "lens": list(walker.plan.lens),
+        "taken": list(pos.counts),
+        "ended": [walker.ended(pos, k) for k in range(len(names))],
+        "sources": [{"packs": n} for n in walker.plan.lens],
         "seed": walker.plan.seed,
     }
 
 
 def position_from(state: State) -> MixPos:
     return MixPos(
-        int(state["pass"]), int(state["draws"]), int(state["items"]), tuple(state["counts"])
+        int(state["stream"]), int(state["draws"]), int(state["items"]), tuple(state["taken"])
     )
 
 
