@@ -262,6 +262,9 @@ def test_bad_mixtures_are_one_line_before_any_cache_is_built(
         build(env, [SourceSpec(name="web", weight=-1, path="x")], build_if_missing=True)
     _one_line(e, "source 'web'", "weight")
     with pytest.raises(MixtureError) as e:
+        build(env, mix(env), cache_path=str(env["path"]))
+    _one_line(e, "cache_path", "a mixture finds each source's cache")
+    with pytest.raises(MixtureError) as e:
         build(env, mix(env, other={"path": str(env["uncached"])}))
     _one_line(e, "source 'other'", "no VL cache", "build_if_missing")
     with pytest.raises(MixtureError) as e:
@@ -270,6 +273,35 @@ def test_bad_mixtures_are_one_line_before_any_cache_is_built(
     with pytest.raises(MixtureError) as e:
         build(env, mix(env, gone={"path": str(env["root"] / "missing")}), build_if_missing=True)
     _one_line(e, "source 'gone'")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        ('[[dataloader.sources]]\nname = "vqa"\ndataset = "sample_chat"\n', ("'vqa'", "twice")),
+        ('[[dataloader.sources]]\nname = "t"\npath = "/x"\ntext_column = "a"\n', ("'t'",)),
+    ],
+    ids=["duplicate", "text_column"],
+)
+def test_preflight_refuses_a_bad_mixture_before_the_model(
+    tmp_path: Path, extra: str, needles: tuple[str, ...]
+) -> None:
+    """The example config with one defect: ``preflight.run`` (the launcher runs it before the
+    model is built) raises one line naming the file and the source."""
+    from torchtitan_ext import preflight
+    from torchtitan_ext.config import load_config
+    from torchtitan_ext.toml_config import ConfigError
+
+    text = (ROOT / "train_configs" / "qwen3_vl_mixture_tiny_cpu.toml").read_text()
+    if extra.startswith("[["):
+        text += "\n" + extra
+    else:
+        text = text.replace("[dataloader]\n", "[dataloader]\n" + extra, 1)
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        preflight.run(load_config(f), str(f))
+    _one_line(e, "bad.toml", *needles)
 
 
 def test_a_source_with_no_packs_is_one_line(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:

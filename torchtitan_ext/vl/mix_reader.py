@@ -70,18 +70,18 @@ def source_request(base: SourceOptions, spec: SourceSpec) -> SourceOptions:
     )
 
 
-def check_mixture(source: SourceOptions, specs: list[SourceSpec]) -> None:
+def check_mixture(source: SourceOptions, specs: list[SourceSpec], where: str = WHERE) -> None:
     """One-line errors for a mixture this loader cannot read, before any cache is opened."""
-    check_sources(specs, WHERE)
+    check_sources(specs, where)
     if source.cache_path:
         raise MixtureError(
-            f"{WHERE}: dataloader.cache_path names one cache; a mixture finds each source's "
+            f"{where}: dataloader.cache_path names one cache; a mixture finds each source's "
             "cache by its key under dataloader.cache_dir (unset cache_path)"
         )
     for s in specs:
         if s.text_column is not None:
             raise MixtureError(
-                f"{WHERE} source {s.name!r}: 'text_column' is not a cached_vl option (the row "
+                f"{where} source {s.name!r}: 'text_column' is not a cached_vl option (the row "
                 "layout is 'format' and the *_column options)"
             )
 
