@@ -306,3 +306,81 @@ def _env(name: str, value: str | None) -> Any:
         yield
     finally:
         _set_env(name, old)
+
+
+# ------------------------------------------------------------------------------ cached_vl_mix
+@builder("cached_vl_mix")
+def cached_vl_mix(variant: Variant, root: Path) -> LoaderSpec:
+    """``cached_vl`` over a mixture (``[[dataloader.sources]]``): the VQA sample cache of
+    ``cached_vl`` (weight 2) and a chat sample cache (weight 1). With ``infinite=False`` a pass
+    reads one epoch of each source, so ``epoch_docs`` is every pack of both caches."""
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+    from torchtitan_ext.pipeline.mix import SourceSpec
+    from torchtitan_ext.vl.cache import VLCache
+    from torchtitan_ext.vl.sample_chat import chat_sample_path
+
+    cached_vl(Variant(staging=False, workers=0), root)  # the shared VQA cache (built once)
+    env = _SHARED["vl"]
+    home = env["home"]
+    if "vl_mix_chat" not in _SHARED:
+        with _env("TORCHTITAN_EXT_CACHE", home):
+            _SHARED["vl_mix_chat"] = chat_sample_path(n=16, root=Path(env["root"]) / "chat")
+
+    def config(infinite: bool, build: bool = False) -> Any:
+        sources = [
+            SourceSpec(name="vqa", weight=2, path=str(env["data"])),
+            SourceSpec(name="chat", weight=1, path=str(_SHARED["vl_mix_chat"]), format="messages"),
+        ]
+        return CachedVLDataLoader.Config(
+            sources=sources, cache_dir=str(env["cache_dir"]), buffer_size=8, buckets=[512, 768],
+            queue_size=3, num_workers=variant.workers, infinite=infinite, build_if_missing=build,
+        )  # fmt: skip
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        with _env("TORCHTITAN_EXT_CACHE", home):
+            return config(infinite).build(
+                dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=1024,
+                local_batch_size=1,
+            )  # fmt: skip
+
+    if "vl_mix_ids" not in _SHARED:  # build the chat cache once; name every pack of both
+        with _env("TORCHTITAN_EXT_CACHE", home):
+            probe = config(True, build=True).build(
+                dp_rank=0, dp_world_size=1, tokenizer=None, seq_len=1024, local_batch_size=1
+            )
+        caches = [VLCache.open(p) for p in probe.reader.cache_paths]
+        probe.close()
+        pad = int(caches[0].special_tokens["pad_id"])
+        ids = {}
+        for c in caches:
+            for i in range(len(c)):
+                ids[_unpadded(c.pack(i)["input_ids"].tolist(), pad)] = len(ids)
+        assert len(ids) == sum(map(len, caches)), "the packs of both sources are distinct"
+        _SHARED["vl_mix_ids"] = (ids, pad)
+    ids, pad = _SHARED["vl_mix_ids"]
+
+    def doc_ids(batch: Any) -> list[int]:
+        inp, _ = batch
+        return [ids[_unpadded(row.tolist(), pad)] for row in inp["input"]]
+
+    def state(loaders: Any) -> Any:  # the envelope names the loader, cached_vl
+        from torchtitan_ext.pipeline import checkpoint
+
+        return checkpoint.envelope("cached_vl", [ld.rank_state() for ld in loaders], "any")
+
+    return LoaderSpec(
+        "cached_vl_mix",
+        staged(build) if variant.staging else build,
+        doc_ids,
+        set(ids.values()),
+        steps=1,  # ~14 packs of 1 per batch: every phase of 2 -> 3 -> 1 stays inside the pass
+        state=state,
+    )
+
+
+def _unpadded(row: list[int], pad: int) -> tuple[int, ...]:
+    """A pack's tokens without its trailing padding (names the pack)."""
+    n = len(row)
+    while n and row[n - 1] == pad:
+        n -= 1
+    return tuple(row[:n])

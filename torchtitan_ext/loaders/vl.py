@@ -28,9 +28,11 @@ from typing import Any
 from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.mix import MixOptions
 from torchtitan_ext.pipeline.prefetch import PrefetchOptions
 from torchtitan_ext.pipeline.stage import Stage, State, options
 from torchtitan_ext.vl.collate import PackCollator, PixelNorm
+from torchtitan_ext.vl.mix_reader import MixVLReader
 from torchtitan_ext.vl.options import BatchOptions, OrderOptions, SourceOptions, WorkerOptions
 from torchtitan_ext.vl.pack_source import OnlinePreprocessingWarning
 from torchtitan_ext.vl.reader import VLReader, processor_path
@@ -52,10 +54,12 @@ class CachedVLDataLoader(BaseDataLoader):
         BatchOptions,
         OrderOptions,
         SourceOptions,
+        MixOptions,
     ):
         """Every field is a stage's option, documented there: ``vl/options.py`` (source, order,
-        batch, workers) and ``PrefetchOptions`` (the background hand-off). Bases are listed last
-        to first so the fields keep the order source, order, batch, workers, prefetch."""
+        batch, workers), ``PrefetchOptions`` (the background hand-off) and ``MixOptions``
+        (``[[dataloader.sources]]``, a mixture: ``vl/mix_reader.py``). Bases are listed last
+        to first so the fields keep the order mixture, source, order, batch, workers, prefetch."""
 
     def __init__(
         self,
@@ -76,18 +80,22 @@ class CachedVLDataLoader(BaseDataLoader):
             logger.debug("CachedVLDataLoader ignores build kwargs %s", sorted(kwargs))
         self.config = config
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.reader = VLReader(
+        stages = (
             options(SourceOptions, config),
             options(OrderOptions, config),
             options(BatchOptions, config),
             options(WorkerOptions, config),
             options(PrefetchOptions, config),
+        )
+        kw: dict[str, Any] = dict(
             seq_len=config.pack_seq_len or seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
             batch_size=local_batch_size,
             tokenizer=tokenizer,
         )
+        mix = options(MixOptions, config)
+        self.reader = MixVLReader(*stages, mix, **kw) if mix.sources else VLReader(*stages, **kw)
 
     # -- facts (the reader's, under the loader's name: probes, tests, benchmarks) ---------------
     @property
@@ -174,8 +182,9 @@ class CachedVLDataLoader(BaseDataLoader):
         checkpoint.check_like(ranks, self.rank_state(), LOADER)
         self.reader.load_rank_state(ranks[0])
 
-    def get_stats(self) -> dict[str, float]:
-        """Numbers for the step log line (``VLReader.get_stats``)."""
+    def get_stats(self) -> dict[str, Any]:
+        """Numbers for the step log line (``VLReader.get_stats``); a mixture adds ``sources``
+        (``MixVLReader.get_stats``)."""
         return self.reader.get_stats()
 
 

@@ -20,7 +20,7 @@ of ``seq_len + 1`` tokens, so a weight is a share of rows, hence of tokens: ever
 except the very last one a finite source flushes, and each row holds one source only. (Weighting
 documents instead would tie the token share to each source's document lengths; weighting
 tokens by drawing per document would put several sources in one row.) For the VL cache the
-item is a sample (``vl/`` plan), stated there.
+item is a pack of one source's samples (``vl/mix_position.py`` says why).
 
 Ends. A chain is finite when its source has ``max_epochs`` (or ``infinite = false``). When one
 raises ``StopIteration``:
@@ -76,7 +76,7 @@ class SourceSpec:
     """Names the source in logs, stats, checkpoints and errors (unique within the mixture)."""
 
     weight: float = 1.0
-    """Relative share of the mixture's items (rows of ``seq_len + 1`` tokens for text, samples
+    """Relative share of the mixture's items (rows of ``seq_len + 1`` tokens for text, packs
     for VL); weights are normalised, so ``7`` and ``3`` mean 70 % and 30 %."""
 
     path: str | None = None

@@ -45,6 +45,8 @@ CHECKS: list[str | Check] = [
     "torchtitan_ext.preflight.checkpoint:check_checkpoint",
     # a batch format named after one of our model modules feeds that module only
     "torchtitan_ext.models.qwen3_vl.preflight:check_format_owner",
+    # a cached_vl mixture: its sources table and this loader's rules for it
+    "torchtitan_ext.vl.mix_preflight:check_vl_mixture",
 ]
 
 # [model] module -> its model-specific checks (run after CHECKS).

@@ -215,7 +215,11 @@ class VLReader:
 
     def check_source(self, position: State) -> None:
         """A position saved reading the other source (cache vs online) is refused: the orders
-        differ. ValueError naming both."""
+        differ. ValueError naming both. A mixture's position: the mixture's one line."""
+        if "names" in position:  # a mixture's position (vl/mix_reader.py)
+            from torchtitan_ext.pipeline.mix import MixtureError, mismatch_message
+
+            raise MixtureError(mismatch_message(list(position["names"]), []))
         saved_online = int(position.get("source", 0)) == SOURCE_ONLINE
         if saved_online != (self.source == "online"):
             raise ValueError(
