@@ -59,7 +59,6 @@ from torchtitan_ext.text.stream_stages import (
     open_source,
     slot_stats,
 )
-from torchtitan_ext.text.stream_window import piece_size
 from torchtitan_ext.text.stream_workers import merged_stats
 from torchtitan_ext.text.tokenize import TextTokenizer
 
@@ -78,9 +77,9 @@ def source_options(spec: SourceSpec, stream: StreamOptions) -> StreamOptions:
 def open_sources(specs: Sequence[SourceSpec], stream: StreamOptions) -> list[StreamSource]:
     """Every source opened (files located, Parquet footers read), or :class:`MixtureError`, one
     line naming the source: :func:`~torchtitan_ext.pipeline.mix.check_sources`' rules first (no
-    file is touched for them), then an unknown ``format``, then per source no files or no
-    documents in its window (known for Parquet from the footers; other formats find out when
-    first read, and that error names the source too)."""
+    file is touched for them), then an unknown ``format``, then per source what opening it
+    finds (no files, an unreadable Parquet footer, an empty window: the source's own checks,
+    each prefixed with the source's name)."""
     check_sources(specs, WHERE)
     for s in specs:
         if s.format is not None and s.format not in FORMATS:
@@ -95,11 +94,6 @@ def open_sources(specs: Sequence[SourceSpec], stream: StreamOptions) -> list[Str
             src = open_source(s.path or s.dataset, source_options(s, stream), fmt=s.format)
         except (OSError, ValueError) as e:  # FileNotFoundError, BadInputError, format errors
             raise MixtureError(f"{label}: {e}") from e
-        if len(src.known) == src.n_shards and not any(piece_size(p, src.known) for p in src.pieces):
-            raise MixtureError(
-                f"{label}: no documents in {s.path or s.dataset!r} (skip_first="
-                f"{stream.skip_first}, max_documents={stream.max_documents})"
-            )
         out.append(src)
     return out
 
