@@ -162,6 +162,16 @@ def streaming_mix_doc_starts_all(batches) -> list[int]:
     return [d for b in batches for d in streaming_mix_doc_starts(b)]
 
 
+def test_the_step_epoch_is_the_furthest_sources_not_a_sum(data):
+    ld = build(data, two(data, 1.0, 1.0))
+    it = iter(ld)
+    while min(s["epoch"] for s in ld.get_stats()["sources"].values()) < 1:
+        next(it)
+    st = ld.get_stats()
+    ld.close()
+    assert st["epoch"] == max(s["epoch"] for s in st["sources"].values()) >= 1
+
+
 # ------------------------------------------------------------------------------ resume
 @pytest.mark.parametrize("workers", [0, 2])
 def test_chained_restarts_through_the_end_resume_bitwise(data, workers):
@@ -269,3 +279,26 @@ def test_example_mixture_config_trains_and_refuses_a_changed_mixture(tmp_path):
     log = out.stdout + out.stderr
     assert out.returncode != 0
     assert "data mixture differs from [[dataloader.sources]]: removed 'shakespeare'" in log
+
+
+def test_elastic_resume_across_epochs_keeps_each_source_epoch_whole(data):
+    """DP 2 -> 3 -> 1 while the sources wrap into their second (last) epoch at different times:
+    every document of every source appears once per epoch (key: source, epoch, id)."""
+    sources = two(data, 2.0, 1.0, a={"max_epochs": 2}, b={"max_epochs": 2})
+
+    def make(rank, world, infinite):  # finite through max_epochs whatever ``infinite`` says
+        return build(data, sources, rank=rank, world=world)
+
+    def keys(batch) -> list[int]:
+        x, _ = batch
+        ids, offs, src, ep = x["doc_ids"], x["doc_offsets"], x["doc_sources"], x["doc_epochs"]
+        start = offs == 0
+        start[:, 0] |= offs[:, 0] == 1
+        keep = start & (ids >= 0)
+        return ((src[keep] * 4 + ep[keep]) * (1 << 41) + ids[keep]).tolist()
+
+    ids_b = [(f << 40) + r for f in (0, 1) for r in range(20)]
+    epoch_docs = {(0 * 4 + e) * (1 << 41) + i for e in (0, 1) for i in range(NA)}
+    epoch_docs |= {(1 * 4 + e) * (1 << 41) + i for e in (0, 1) for i in ids_b}
+    spec = resume.LoaderSpec("streaming_mix", make, keys, epoch_docs, state=saved)
+    resume.assert_resume_exact(spec, 30, 2, (3, 1))  # both sources wrap at DP 3, before 3 -> 1

@@ -175,8 +175,9 @@ def check_resumable(saved: State, names: list[str] | None, loader: str) -> None:
 
 def mixture_stats(specs: Sequence[SourceSpec], slots: Sequence[State]) -> dict[str, Any]:
     """One rank's stats over its slots' mixture states, in ``Mix.stats``'s shape: the sources'
-    counters (each merged over the slots as a single source's are) summed, the skip reasons
-    merged, and ``sources: {name: {its counters, items, share, target, ended}}``."""
+    counters (each merged over the slots as a single source's are) summed, except ``epoch``
+    (the highest source's, as the Parquet mixture reports it), the skip reasons merged, and
+    ``sources: {name: {its counters, items, share, target, ended}}``."""
     per = [merged_stats([slot_stats(s["sources"][k]) for s in slots]) for k in range(len(specs))]
     taken = [sum(int(s["taken"][k]) for s in slots) for k in range(len(specs))]
     total = sum(taken)
@@ -189,6 +190,8 @@ def mixture_stats(specs: Sequence[SourceSpec], slots: Sequence[State]) -> dict[s
         for key, v in st.get("skips", {}).items():
             skips[key] = skips.get(key, 0) + int(v)
     out["skips"] = skips
+    if per:  # a sum of epochs means nothing: the furthest source (has any started repeating)
+        out["epoch"] = max(int(st.get("epoch", 0)) for st in per)
     out["sources"] = {
         spec.name: {
             **st,
