@@ -221,7 +221,7 @@ def test_bad_sources_are_one_line_naming_the_source_before_the_tokenizer(data, t
         ([a, SourceSpec(name="nofiles", path=str(tmp_path / "none-*.parquet"))],
          "source 'nofiles': no .parquet"),
         ([a, SourceSpec(name="norows", path=str(empty))], "source 'norows': "),
-        ([a, SourceSpec(name="fmt", path=data["b"], format="csv")], "source 'fmt': unknown format"),
+        ([a, SourceSpec(name="fmt", path=data["b"], format="csv")], "source 'fmt': unknown format 'csv'"),
         ([a, SourceSpec(name="ep", path=data["b"], max_epochs=0)], "source 'ep': max_epochs"),
     ]  # fmt: skip
     for sources, words in cases:
@@ -251,6 +251,10 @@ def test_format_reads_files_of_any_suffix_and_split_text_column_are_per_source(d
     starts = streaming_mix_doc_starts_all(resume.take(ld, None))
     ld.close()
     assert len(starts) == NA + 10 == len(set(starts))
+    # the same keys on a single dataset (what a per-source validation pass builds from a source)
+    one = build(data, dataset_path=str(odd / "*.data"), format="jsonl", text_column="body")
+    assert one.num_documents() == 10
+    one.close()
 
 
 # ------------------------------------------------------------------------------ example config

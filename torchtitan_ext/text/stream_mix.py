@@ -66,11 +66,13 @@ WHERE = "[[dataloader.sources]]"
 
 
 def source_options(spec: SourceSpec, stream: StreamOptions) -> StreamOptions:
-    """The loader's stream options with this source's own ``split`` / ``text_column``."""
+    """The loader's stream options with this source's own ``split`` / ``text_column`` /
+    ``format`` where the source table gives one."""
     return dataclasses.replace(
         stream,
         split=spec.split if spec.split is not None else stream.split,
         text_column=spec.text_column if spec.text_column is not None else stream.text_column,
+        format=spec.format if spec.format is not None else stream.format,
     )
 
 
@@ -91,7 +93,7 @@ def open_sources(specs: Sequence[SourceSpec], stream: StreamOptions) -> list[Str
     for s in specs:
         label = f"{WHERE} source {s.name!r}"
         try:
-            src = open_source(s.path or s.dataset, source_options(s, stream), fmt=s.format)
+            src = open_source(s.path or s.dataset, source_options(s, stream))
         except (OSError, ValueError) as e:  # FileNotFoundError, BadInputError, format errors
             raise MixtureError(f"{label}: {e}") from e
         out.append(src)

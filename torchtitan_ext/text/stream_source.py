@@ -42,8 +42,8 @@ MISSING = object()  # the text column is absent from a record
 
 
 FORMATS = {"parquet": "parquet", "json": "json", "jsonl": "json", "text": "text", "txt": "text"}
-"""A source's ``format`` (a mixture's per-source key) -> the ``datasets`` builder; it overrides
-the suffix, so files of any name are read as that format."""
+"""``format`` (a ``[dataloader]`` key, and a mixture source's) -> the ``datasets`` builder; it
+overrides the suffix, so files of any name are read as that format."""
 
 
 def resolve_local_files(
@@ -56,7 +56,7 @@ def resolve_local_files(
     :data:`FORMATS`): read every file as that format, whatever its suffix (a directory then
     contributes all its files but hidden ones)."""
     if fmt is not None and fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; use one of {sorted(FORMATS)}")
+        raise ValueError(f"format {fmt!r} is unknown; use one of {sorted(FORMATS)} or none")
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     files: list[str] = []
     for p in paths:

@@ -101,6 +101,10 @@ class StreamOptions:
     text_column: str = "text"
     """Column holding the document text."""
 
+    format: str | None = None
+    """Read local files as this format whatever their suffix: ``"parquet"``, ``"json"`` /
+    ``"jsonl"``, ``"text"`` / ``"txt"``; None: by suffix (.parquet, .jsonl/.json, .txt)."""
+
     on_bad_input: Literal["error", "skip"] = "error"
     """``"error"``: raise naming file and row; ``"skip"``: count the record with its reason."""
 
@@ -124,11 +128,8 @@ class PackOptions:
     the model."""
 
 
-def open_source(
-    source: Any, o: StreamOptions, load_kwargs: dict | None = None, fmt: str | None = None
-) -> StreamSource:
-    """Locate and open ``source`` clipped to the options' window (errors name the files);
-    ``fmt``: read local files as that format whatever their suffix (None: by suffix)."""
+def open_source(source: Any, o: StreamOptions, load_kwargs: dict | None = None) -> StreamSource:
+    """Locate and open ``source`` clipped to the options' window (errors name the files)."""
     return StreamSource(
         source,
         split=o.split,
@@ -138,7 +139,7 @@ def open_source(
         load_kwargs=dict(load_kwargs or {}),
         skip_first=o.skip_first,
         max_documents=o.max_documents,
-        fmt=fmt,
+        fmt=o.format,
     )
 
 
