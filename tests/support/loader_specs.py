@@ -384,3 +384,56 @@ def _unpadded(row: list[int], pad: int) -> tuple[int, ...]:
     while n and row[n - 1] == pad:
         n -= 1
     return tuple(row[:n])
+
+
+# ------------------------------------------------------------------------------ streaming_text mixture
+MIX_SOURCE_STRIDE = 1 << 42  # a mixture's document key: source index * 2**42 + id in the source
+
+
+def streaming_mix_doc_starts(batch: Any) -> list[int]:
+    """Documents starting in a mixture batch, as ``source * 2**42 + id`` (ids are numbered
+    within each source, ``shard << 40 | row`` for JSON Lines; ``doc_sources`` says whose)."""
+    x, _ = batch
+    ids, offs, src = x["doc_ids"], x["doc_offsets"], x["doc_sources"]
+    start = offs == 0
+    start[:, 0] |= offs[:, 0] == 1
+    keep = start & (ids >= 0)
+    return (src[keep] * MIX_SOURCE_STRIDE + ids[keep]).tolist()
+
+
+@builder("streaming_mix")
+def streaming_mix(variant: Variant, root: Path) -> LoaderSpec:
+    """``streaming_text`` with ``[[dataloader.sources]]``: a Parquet source (48 documents, 4
+    files) at weight 2 and a JSON Lines one (40 documents, 2 files) at weight 1; a finite pass
+    is one epoch of each."""
+    from tests.test_streaming import make_docs, write_jsonl, write_parquet
+    from torchtitan_ext.data.embedded import ensure_embedded_data
+    from torchtitan_ext.loaders.streaming import StreamingTextDataLoader
+    from torchtitan_ext.pipeline import checkpoint
+    from torchtitan_ext.pipeline.mix import SourceSpec
+
+    tok_dir = ensure_embedded_data() / "tokenizer"
+    a = write_parquet(root / "a", make_docs(48, seed=1), 4)
+    b = write_jsonl(root / "b", make_docs(40, seed=2), 2)
+    sources = [
+        SourceSpec(name="pq", path=a, weight=2.0),
+        SourceSpec(name="jsonl", path=b, weight=1.0),
+    ]
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = StreamingTextDataLoader.Config(
+            tokenizer_path=str(tok_dir), num_workers=variant.workers, shuffle_buffer=8,
+            emit_doc_ids=True, infinite=infinite, sources=sources,
+        )  # fmt: skip
+        return cfg.build(dp_rank=rank, dp_world_size=world, seq_len=16, local_batch_size=4)
+
+    def state(loaders: Any) -> Any:  # the envelope names the registered loader, streaming_text
+        return checkpoint.envelope("streaming_text", [ld.rank_state() for ld in loaders], "any")
+
+    return LoaderSpec(
+        "streaming_mix",
+        staged(build) if variant.staging else build,
+        streaming_mix_doc_starts,
+        set(range(48)) | {MIX_SOURCE_STRIDE + (f << 40) + r for f in (0, 1) for r in range(20)},
+        state=state,
+    )

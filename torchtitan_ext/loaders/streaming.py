@@ -13,6 +13,14 @@ worker], "next": k}``. :meth:`~StreamingTextDataLoader.load_state_dict`: the sam
 worker count -> this rank's own state (bitwise resume); the same number of slots otherwise ->
 each slot's own state; another number of slots -> :func:`~torchtitan_ext.text.stream_elastic.
 merge` (what is left of the epoch, dealt document by document).
+
+Mixtures (``[[dataloader.sources]]``, :class:`~torchtitan_ext.pipeline.mix.MixOptions`): each
+slot runs :class:`~torchtitan_ext.text.stream_mix.MixChainSpec`'s chain (per source documents ->
+rows, then ``Mix`` -> ``RowBatches``) under the same ``Prefetch`` / ``WorkerChains``; a slot's
+state is then the ``Mix`` state, re-dealt at another number of slots by
+:func:`~torchtitan_ext.text.stream_mix.resume_slots`. A checkpoint of another mixture, or of one
+dataset when the config has a mixture (and the reverse), is refused in one line naming the
+sources (:func:`~torchtitan_ext.text.stream_mix.check_resumable`).
 """
 
 from __future__ import annotations
@@ -25,9 +33,18 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.mix import MixOptions, MixtureError
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import Stage, State, options
 from torchtitan_ext.text.stream_elastic import merge
+from torchtitan_ext.text.stream_mix import (
+    WHERE,
+    MixChainSpec,
+    check_resumable,
+    mixture_stats,
+    open_sources,
+    resume_slots,
+)
 from torchtitan_ext.text.stream_stages import PackOptions, StreamOptions, open_source, slot_stats
 from torchtitan_ext.text.stream_workers import ChainSpec, WorkerChains, merged_stats
 from torchtitan_ext.text.streaming import check_args
@@ -48,9 +65,10 @@ class StreamingTextDataLoader(BaseDataLoader):
     resumable at another DP degree or worker count."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config, StreamOptions, PackOptions, PrefetchOptions):
+    class Config(BaseDataLoader.Config, StreamOptions, PackOptions, PrefetchOptions, MixOptions):
         dataset: str = ""
-        """Hugging Face hub dataset id, used when ``dataset_path`` is empty."""
+        """Hugging Face hub dataset id, used when ``dataset_path`` is empty (and there are no
+        ``[[dataloader.sources]]``)."""
 
         dataset_path: str | None = None
         """Local Parquet / JSONL / text file, directory or glob (e.g. ``data/train-*.parquet``)."""
@@ -92,7 +110,13 @@ class StreamingTextDataLoader(BaseDataLoader):
         if tok is None:
             raise ValueError("streaming_text: no tokenizer (set dataloader.tokenizer_path)")
         source = config.dataset_path or config.dataset
-        if not source:
+        specs = list(config.sources) if config.sources is not None else None
+        if specs is not None and source:
+            raise MixtureError(
+                f"streaming_text: both [dataloader] dataset_path/dataset ({source!r}) and "
+                f"{WHERE} are set; a mixture names every dataset in its sources"
+            )
+        if not source and specs is None:
             raise ValueError("streaming_text: set dataloader.dataset_path (or a hub id in dataset)")
         stream = options(StreamOptions, config)
         check_args(
@@ -105,12 +129,22 @@ class StreamingTextDataLoader(BaseDataLoader):
         )
         self.config = config
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.tokenizer = TextTokenizer.coerce(tok)
-        self.source = open_source(source, stream)
-        spec = ChainSpec(
-            self.source, stream, options(PackOptions, config), self.tokenizer, seq_len,
-            local_batch_size,
-        )  # fmt: skip
+        self.specs = specs
+        spec: ChainSpec | MixChainSpec
+        if specs is None:
+            self.tokenizer = TextTokenizer.coerce(tok)
+            self.sources = [open_source(source, stream)]
+            spec = ChainSpec(
+                self.sources[0], stream, options(PackOptions, config), self.tokenizer, seq_len,
+                local_batch_size,
+            )  # fmt: skip
+        else:
+            self.sources = open_sources(specs, stream)  # the one-line checks before the tokenizer
+            self.tokenizer = TextTokenizer.coerce(tok)
+            spec = MixChainSpec(
+                specs, self.sources, stream, options(PackOptions, config), self.tokenizer,
+                seq_len, local_batch_size, config.mix_stop,
+            )  # fmt: skip
         self.workers = max(1, config.num_workers)  # slots of this rank
         self.nslots = dp_world_size * self.workers
         self.slots = [dp_rank * self.workers + w for w in range(self.workers)]
@@ -152,9 +186,15 @@ class StreamingTextDataLoader(BaseDataLoader):
             n += 1
             yield batch
 
+    @property
+    def source(self):
+        """The (first) source: the one dataset of a single-source loader."""
+        return self.sources[0]
+
     def num_documents(self) -> int:
-        """Documents in the window (counts every shard of it that has no metadata)."""
-        return self.source.num_documents()
+        """Documents in the window (of every source of a mixture; counts every shard of it that
+        has no metadata)."""
+        return sum(s.num_documents() for s in self.sources)
 
     def close(self) -> None:
         self.stage.close()
@@ -177,6 +217,10 @@ class StreamingTextDataLoader(BaseDataLoader):
         if not state_dict:
             return  # an empty state is valid (fresh start), as in torchtitan
         ranks = checkpoint.open_envelope(state_dict, NAME, self.dp_world_size, self.rank_state())
+        names = [s.name for s in self.specs] if self.specs is not None else None
+        for r in ranks:
+            for slot in r["workers"]:
+                check_resumable(slot, names, NAME)
         try:
             mine = self._mine(ranks)
             self.stage.reset(mine if self.config.num_workers > 0 else mine["workers"][0])
@@ -198,12 +242,19 @@ class StreamingTextDataLoader(BaseDataLoader):
                 len(ranks),
                 self.nslots,
             )
-            merged = merge(old, self.nslots)
-            mine = {"workers": [merged[s] for s in self.slots], "next": 0}
+            if self.specs is None:
+                merged = merge(old, self.nslots)
+                mine = {"workers": [merged[s] for s in self.slots], "next": 0}
+            else:
+                mine = {"workers": resume_slots(old, self.slots, self.nslots), "next": 0}
         return mine
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict[str, Any]:
         """Epoch (slowest slot), documents used and skips, summed over this rank's slots, as of
-        the last batch returned."""
-        return merged_stats([slot_stats(s) for s in self.rank_state()["workers"]])
+        the last batch returned; a mixture adds them over its sources and gives each source's
+        own under ``sources`` (:func:`~torchtitan_ext.text.stream_mix.mixture_stats`)."""
+        slots = self.rank_state()["workers"]
+        if self.specs is not None:
+            return mixture_stats(self.specs, slots)
+        return merged_stats([slot_stats(s) for s in slots])

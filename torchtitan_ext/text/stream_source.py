@@ -41,13 +41,22 @@ READ_BATCH = 256  # rows per datasets batch read
 MISSING = object()  # the text column is absent from a record
 
 
+FORMATS = {"parquet": "parquet", "json": "json", "jsonl": "json", "text": "text", "txt": "text"}
+"""``format`` (a ``[dataloader]`` key, and a mixture source's) -> the ``datasets`` builder; it
+overrides the suffix, so files of any name are read as that format."""
+
+
 def resolve_local_files(
-    path: str | Sequence[str], split: str = "train"
+    path: str | Sequence[str], split: str = "train", fmt: str | None = None
 ) -> tuple[str, list[str]] | None:
     """``(builder, files)`` for a local file / directory / glob (or list of them), or ``None`` if
     ``path`` is not local (then it is treated as a Hugging Face hub dataset id). A directory
     whose files follow the Hugging Face split naming (``train-*.parquet``, ``val-*``, or a
-    ``train/`` folder) contributes only the files of ``split``."""
+    ``train/`` folder) contributes only the files of ``split``. ``fmt`` (a key of
+    :data:`FORMATS`): read every file as that format, whatever its suffix (a directory then
+    contributes all its files but hidden ones)."""
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is unknown; use one of {sorted(FORMATS)} or none")
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     files: list[str] = []
     for p in paths:
@@ -56,7 +65,10 @@ def resolve_local_files(
             files += sorted(_glob.glob(p, recursive=True))
         elif os.path.isdir(p):
             found = sorted(
-                f for f in Path(p).rglob("*") if f.is_file() and f.suffix.lower() in EXT_BUILDER
+                f
+                for f in Path(p).rglob("*")
+                if f.is_file()
+                and (f.suffix.lower() in EXT_BUILDER if fmt is None else not f.name.startswith("."))
             )
             in_split = [
                 f
@@ -73,6 +85,8 @@ def resolve_local_files(
             raise FileNotFoundError(f"data file not found: {p}")
     if not files:
         raise FileNotFoundError(f"no .parquet/.jsonl/.json/.txt files match {path!r}")
+    if fmt is not None:
+        return FORMATS[fmt], files
     builders = {EXT_BUILDER.get(Path(f).suffix.lower()) for f in files}
     if None in builders:
         bad = [f for f in files if Path(f).suffix.lower() not in EXT_BUILDER][:3]
@@ -204,6 +218,7 @@ class StreamSource:
         load_kwargs: dict[str, Any],
         skip_first: int,
         max_documents: int | None,
+        fmt: str | None = None,
     ) -> None:
         self.source = source
         self.split = split
@@ -213,7 +228,7 @@ class StreamSource:
         self.load_kwargs = load_kwargs
         self.skip_first = skip_first
         self.max_documents = max_documents
-        local = resolve_local_files(source, split)
+        local = resolve_local_files(source, split, fmt)
         self.builder, self.files = local if local else (None, None)
         self.read_text_as_binary = False
         footer_rows: list[int] = []

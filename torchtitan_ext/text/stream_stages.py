@@ -101,6 +101,10 @@ class StreamOptions:
     text_column: str = "text"
     """Column holding the document text."""
 
+    format: str | None = None
+    """Read local files as this format whatever their suffix: ``"parquet"``, ``"json"`` /
+    ``"jsonl"``, ``"text"`` / ``"txt"``; None: by suffix (.parquet, .jsonl/.json, .txt)."""
+
     on_bad_input: Literal["error", "skip"] = "error"
     """``"error"``: raise naming file and row; ``"skip"``: count the record with its reason."""
 
@@ -135,6 +139,7 @@ def open_source(source: Any, o: StreamOptions, load_kwargs: dict | None = None) 
         load_kwargs=dict(load_kwargs or {}),
         skip_first=o.skip_first,
         max_documents=o.max_documents,
+        fmt=o.format,
     )
 
 
@@ -158,10 +163,23 @@ def slot_stats(state: State) -> dict[str, Any]:
 class StreamDocs(Stage[Any]):
     """Documents ``(doc_id, epoch, text)`` of slot ``slot`` of ``nslots`` (see module doc)."""
 
-    def __init__(self, source: StreamSource, options: StreamOptions, slot: int, nslots: int):
+    def __init__(
+        self,
+        source: StreamSource,
+        options: StreamOptions,
+        slot: int,
+        nslots: int,
+        *,
+        max_epochs: int | None = None,
+        label: str | None = None,
+    ):
+        """``max_epochs``: end the stream (StopIteration) after that many epochs, even when
+        ``options.infinite`` (a mixture's per-source limit). ``label``: names the stream in
+        its log lines and errors (a mixture's source name; None: the source path)."""
         if not 0 <= slot < nslots:
             raise ValueError(f"slot {slot} not in [0, {nslots})")
         self.src, self.o, self.slot, self.nslots = source, options, slot, nslots
+        self.max_epochs, self.label = max_epochs, label
         self.block = max(1, int(options.shuffle_buffer)) if options.shuffle else 1
         self.reset(None)
 
@@ -282,9 +300,13 @@ class StreamDocs(Stage[Any]):
         Raises at the end of a ``max_documents`` window that may not repeat, and when a whole
         epoch had no usable document."""
         o, where = self.o, f"slot {self.slot}/{self.nslots}"
+        named = f"source {self.label!r} ({self.src.source})" if self.label else self.src.source
+        prefix = f"source {self.label!r}: " if self.label else ""
+        if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            raise StopIteration  # the source's max_epochs passes are done
         if o.max_documents is not None and o.infinite and not o.repeat_window:
             raise DocumentLimitReached(
-                f"{self.src.source}: {where} reached the end of the max_documents="
+                f"{named}: {where} reached the end of the max_documents="
                 f"{o.max_documents} window (skip_first={o.skip_first}) in epoch {self.epoch}. "
                 "A document limit is read once and never replayed; raise max_documents, lower "
                 "the number of eval batches, or drop the limit for an endless stream."
@@ -295,7 +317,7 @@ class StreamDocs(Stage[Any]):
             files = self.src.files or [str(self.src.source)]
             shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
             raise NoUsableDocuments(
-                f"{where} got no usable documents in epoch {self.epoch} of {shown}: fewer "
+                f"{prefix}{where} got no usable documents in epoch {self.epoch} of {shown}: fewer "
                 "documents than dp ranks x workers, or every record was skipped (skipped so "
                 f"far: {self.skips.as_dict() or 'none'})"
             )
@@ -305,7 +327,7 @@ class StreamDocs(Stage[Any]):
         self.consumed = 0
         self.history = {k: v for k, v in self.history.items() if int(k) >= self.epoch}
         self._it, self._at_end = None, False
-        logger.info("%s: %s starts epoch %d", self.src.source, where, self.epoch)
+        logger.info("%s: %s starts epoch %d", named, where, self.epoch)
 
     def _text_of(self, text: Any, shard: int, row: int) -> str | None:
         """The document text, or None after counting a skip (raises in error mode). Values are
