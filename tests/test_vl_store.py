@@ -63,6 +63,11 @@ def test_store_holds_unpadded_samples_and_checks_itself(env, capsys):
     assert verify_cache(env["store"]) == []
     assert inspect_main(["--cache-dir", str(env["store"]), "--json"]) == 0
     assert '"store": true' in capsys.readouterr().out
+    assert inspect_main(["--cache-dir", str(env["store"]), "--seq-len", "768", "--buckets", "512",
+                         "--buffer-size", "8"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "plan: seq_len / buffer / buckets" in out and "768 / 8 / [512, 768]" in out
+    assert "sample store" in out
 
 
 def _loader(data, cache_dir, seq_len, **cfg):
