@@ -74,8 +74,8 @@ def test_plan_equals_the_packed_cache(env, seq_len, buffer_size, buckets):
     planned = PlannedStore.open(env["store"], PlanOptions.make(seq_len, buffer_size, buckets))
     assert len(planned) == len(packed) > 1
     assert planned.pack_lengths().tolist() == packed.pack_lengths().tolist()
-    if seq_len == 400:
-        assert planned.plan.too_long > 0
+    # the store keeps the sample too long for any of these plans (its very large image)
+    assert planned.plan.too_long > 0
     for i in range(len(packed)):
         a, b = packed.pack(i), planned.pack(i)
         assert a.keys() == b.keys()

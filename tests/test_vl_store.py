@@ -86,14 +86,20 @@ def test_replan_without_source_decodes_nothing(env, tmp_path, monkeypatch, caplo
     first = _loader(data, tmp_path / "c", SEQ, build_if_missing=True)
     assert first.source == "cache" and VLCache.open(first.cache_path).is_store
     n_first = len(list(first))
-    shutil.move(str(data), str(tmp_path / "moved"))
-
     import torchtitan_ext.vl.processor as proc
 
-    def no_decode(*a, **kw):
-        raise AssertionError("an image was decoded")
+    decoded = []
+    real = proc.decode_image
 
-    monkeypatch.setattr(proc, "decode_image", no_decode)
+    def counted(*a, **kw):
+        decoded.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(proc, "decode_image", counted)
+    present = _loader(data, tmp_path / "c", 768, build_if_missing=True)
+    assert present.cache_path == first.cache_path and len(list(present)) > n_first
+    assert decoded == [], "a new seq_len with the source present: a new plan, nothing decoded"
+    shutil.move(str(data), str(tmp_path / "moved"))
     with caplog.at_level(logging.WARNING):
         again = _loader(data, tmp_path / "c", 768)
     assert again.cache_path == first.cache_path
@@ -103,6 +109,7 @@ def test_replan_without_source_decodes_nothing(env, tmp_path, monkeypatch, caplo
     assert len(batches) > n_first, "shorter packs: more of them"
     for inp, _ in batches:
         assert inp["input"].shape[1] in (512, 768)
+    assert decoded == [], "no image is decoded to re-plan"
 
     with pytest.raises(FileNotFoundError, match="no sample store"):
         _loader(data, tmp_path / "c", 768, max_samples=5)
