@@ -54,6 +54,7 @@ from torchtitan_ext.vl.layouts import column_overrides
 from torchtitan_ext.vl.locks import CacheLockedError, flock, key_lock, lock_path
 from torchtitan_ext.vl.row_work import process_parsed, process_row, worker_init
 from torchtitan_ext.vl.sources import Rows, open_source
+from torchtitan_ext.vl.store_lookup import find_store_by_identity, source_absent
 from torchtitan_ext.vl.write import (
     JSON_TMP_PREFIX,
     ProcessedRow,
@@ -203,46 +204,6 @@ def find_cache(
         return find_store_by_identity(cfg, cache_dir)
     r = resolve(cfg, cache_dir)
     return r.kdir if (r.kdir / MANIFEST).exists() else None
-
-
-def source_absent(dataset: str) -> bool:
-    """A local dataset path (absolute, relative or a glob) that names no file now."""
-    import glob
-
-    s = str(dataset)
-    if any(ch in s for ch in "*?["):
-        return not glob.glob(s)
-    return s.startswith((".", "/", "~")) and not Path(s).expanduser().exists()
-
-
-def find_store_by_identity(config: BuildConfig, cache_dir: str | Path) -> Path | None:
-    """The newest complete store under ``cache_dir`` whose manifest records this config's store
-    fields (dataset path, split, max_samples, image and chat options) and this processor's
-    fingerprint; the source itself is not read (it is absent), so its fingerprint is not
-    re-checked, and one line says so."""
-    import json
-    import logging
-
-    from torchtitan_ext.vl.processor import load_processor, processor_fingerprint
-
-    want = store_fields(config)
-    proc_fp = processor_fingerprint(load_processor(config.model_path))
-    found = []
-    for mf in Path(cache_dir).glob(f"*/{MANIFEST}"):
-        try:
-            meta = json.loads(mf.read_text())
-        except (OSError, ValueError):
-            continue  # not ours to judge here: opening a chosen store checks it fully
-        if meta.get("config") == want and meta.get("processor") == proc_fp:
-            found.append((mf.stat().st_mtime, mf.parent))
-    if not found:
-        return None
-    path = max(found)[1]
-    logging.getLogger(__name__).warning(
-        "VL source %s is absent: using the sample store %s recorded for it (its fingerprint "
-        "could not be re-checked)", config.dataset, path,
-    )  # fmt: skip
-    return path
 
 
 def build_cache(
@@ -435,4 +396,5 @@ __all__ = [
     "process_row",
     "resolve",
     "shard_ranges",
+    "source_absent",
 ]

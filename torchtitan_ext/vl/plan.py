@@ -24,7 +24,7 @@ pack order                shard by shard, packs in the order the packer emits th
 
 Invariant: pack ``i`` of a plan is bitwise pack ``i`` of the packed cache built with the same
 data, processor and options (``seq_len``, ``buffer_size``, ``buckets``, ``rows_per_shard``): the
-same samples in the same order, assembled by the same function (``cache.assemble_pack``).
+same samples in the same order, assembled by the same function (``assemble.assemble_pack``).
 Restarting the buffer per shard costs a few partly filled packs per 1,024 rows and keeps every
 pack's samples inside one shard (one set of memory maps per read).
 
@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_ext.vl.cache import VLCache, assemble_pack
+from torchtitan_ext.vl.assemble import assemble_pack
+from torchtitan_ext.vl.cache import VLCache
 from torchtitan_ext.vl.packing import best_fit_packs, normalize_buckets
 
 
