@@ -125,8 +125,8 @@ def plan_mixture(
     src = np.concatenate(src_parts)
     order = np.lexsort((src, times))  # by time, then source
     src, smp = src[order], np.concatenate(smp_parts)[order]
-    stream = np.array([lens[j][s] for j, s in zip(src.tolist(), smp.tolist(), strict=True)],
-                      dtype=np.int64)  # fmt: skip
+    base = np.concatenate(([0], np.cumsum([len(x) for x in lens]))).astype(np.int64)
+    stream = np.concatenate(lens)[base[src] + smp] if len(src) else np.zeros(0, np.int64)
     packs = list(best_fit_packs(stream.tolist(), options.seq_len, options.buffer_size))
     flat = np.fromiter((i for p in packs for i in p), dtype=np.int64, count=len(stream))
     offsets = np.concatenate(([0], np.cumsum([len(p) for p in packs]))).astype(np.int64)
