@@ -310,7 +310,7 @@ def _preprocess_cli(env, rows_per_shard: int) -> list[str]:
     return [
         sys.executable, "-m", "torchtitan_ext.vl.preprocess", "--dataset", str(env["ds"]),
         "--seq-len", str(SEQ), "--buffer-size", "8", "--rows-per-shard", str(rows_per_shard),
-        "--num-workers", "0", "--quiet", "--buckets", "512,768",
+        "--num-workers", "0", "--quiet", "--buckets", "512,768", "--packed",
     ]  # fmt: skip
 
 

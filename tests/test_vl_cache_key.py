@@ -55,6 +55,7 @@ CHANGES = {
     "exif_transpose": False,
     "fingerprint": "quick",
     "truncate": True,
+    "store": True,
 }
 COVERED_ELSEWHERE = {"dataset", "model_path", *B.LAYOUT_OPTIONS}
 

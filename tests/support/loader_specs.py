@@ -238,7 +238,7 @@ def streaming_text(variant: Variant, root: Path) -> LoaderSpec:
 def cached_vl(variant: Variant, root: Path) -> LoaderSpec:
     from tests.support.vl_sample import sample_cache
     from torchtitan_ext.loaders.vl import CachedVLDataLoader
-    from torchtitan_ext.vl.cache import VLCache
+    from torchtitan_ext.vl.plan import PlannedStore, PlanOptions
 
     class _Root:  # sample_cache's tmp_path_factory: one directory under ``root``
         @staticmethod
@@ -248,13 +248,15 @@ def cached_vl(variant: Variant, root: Path) -> LoaderSpec:
 
     if "vl" not in _SHARED:  # one cache for every variant
         before = os.environ.get("TORCHTITAN_EXT_CACHE")
-        env = CONTEXTS.enter_context(sample_cache(_Root, "vl", n=48, buckets=(512, 768)))
+        env = CONTEXTS.enter_context(
+            sample_cache(_Root, "vl", n=48, buckets=(512, 768), store=True)
+        )  # a sample store: the loader reads the plan of its seq_len / buffer / buckets
         env["home"] = os.environ["TORCHTITAN_EXT_CACHE"]
         _set_env("TORCHTITAN_EXT_CACHE", before)  # set again only while a loader is built
         _SHARED["vl"] = env
     env = _SHARED["vl"]
     home = env["home"]
-    cache = VLCache.open(env["path"])
+    cache = PlannedStore.open(env["path"], PlanOptions.make(1024, 8, [512, 768]))
     pad = int(cache.special_tokens["pad_id"])
 
     def key(row: list[int]) -> tuple[int, ...]:  # a pack: its tokens without trailing padding

@@ -18,9 +18,11 @@ def sample_cache(
     seq_len: int = 1024,
     buffer_size: int = 8,
     buckets: Sequence[int] | None = (512, 768),
+    store: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """Build a cache of ``n`` sample rows under a fresh temporary root, with
     ``TORCHTITAN_EXT_CACHE`` (offline processor, sample data) pointed inside it while open.
+    ``store``: a sample store (``vl/plan.py``) instead of a packed cache.
     Yields ``{"root", "data", "cache_dir", "path"}``."""
     mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp(name)
@@ -39,6 +41,7 @@ def sample_cache(
             buffer_size=buffer_size,
             buckets=list(buckets) if buckets else None,
             show_progress=False,
+            store=store,
         )
         yield {"root": root, "data": data, "cache_dir": cache_dir, "path": path}
     finally:

@@ -38,6 +38,7 @@ from torchtitan_ext.vl.build_config import (
     OPTION_NAMES,
     BuildConfig,
     config_from,
+    store_fields,
 )
 from torchtitan_ext.vl.chat import LABEL_RULE
 from torchtitan_ext.vl.format import (
@@ -53,6 +54,7 @@ from torchtitan_ext.vl.layouts import column_overrides
 from torchtitan_ext.vl.locks import CacheLockedError, flock, key_lock, lock_path
 from torchtitan_ext.vl.row_work import process_parsed, process_row, worker_init
 from torchtitan_ext.vl.sources import Rows, open_source
+from torchtitan_ext.vl.store_lookup import find_store_by_identity, source_absent
 from torchtitan_ext.vl.write import (
     JSON_TMP_PREFIX,
     ProcessedRow,
@@ -92,8 +94,14 @@ def cache_key(
     """sha256 over the format version, dataset fingerprint, row layout and its column mapping,
     the label rule, split, processor/tokenizer/chat-template fingerprint and every packing
     parameter (the model path itself is not in it: two copies of the same processor give the same
-    key; nor are the layout options, which enter as the layout they resolve to)."""
-    cfg = asdict(config)
+    key; nor are the layout options, which enter as the layout they resolve to). A sample
+    store's key (``config.store``) leaves out the plan options (``store_fields``) and says
+    ``"kind": "store"``; a packed cache's key is what it was before stores existed."""
+    if config.store:
+        cfg = store_fields(config)
+    else:
+        cfg = asdict(config)
+        cfg.pop("store")
     for k in ("dataset", "model_path", *LAYOUT_OPTIONS):
         cfg.pop(k)
     doc = {
@@ -105,6 +113,8 @@ def cache_key(
         "processor": processor_fp,
         "config": cfg,
     }
+    if config.store:
+        doc["kind"] = "store"
     return hashlib.sha256(canonical(doc).encode()).hexdigest()
 
 
@@ -113,6 +123,9 @@ def _slug(s: str) -> str:
 
 
 def key_dir_name(config: BuildConfig, source_name: str, key: str) -> str:
+    if config.store:
+        cut = f"_seq{config.seq_len}" if config.truncate else ""
+        return f"{_slug(source_name)}_{_slug(config.split)}_store{cut}_{key[:12]}"
     return (
         f"{_slug(source_name)}_{_slug(config.split)}_seq{config.seq_len}_buf{config.buffer_size}_"
         f"{key[:12]}"
@@ -180,11 +193,16 @@ def _dist_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def find_cache(
     dataset: str | Path, split: str, cache_dir: str | Path, seq_len: int, buffer_size: int,
-    **options: Any,
+    *, store: bool = False, **options: Any,
 ) -> Path | None:  # fmt: skip
     """The complete cache directory for these arguments, or None. ``options``: further
-    :class:`BuildConfig` fields."""
-    r = resolve(config_from(dataset, split, seq_len, buffer_size, **options), cache_dir)
+    :class:`BuildConfig` fields. ``store``: the sample store these options plan from (its key
+    leaves the plan options out); when the source is absent (a local path that no longer
+    exists) the store is found by the identity it records (:func:`find_store_by_identity`)."""
+    cfg = config_from(dataset, split, seq_len, buffer_size, store=store, **options)
+    if store and source_absent(cfg.dataset):
+        return find_store_by_identity(cfg, cache_dir)
+    r = resolve(cfg, cache_dir)
     return r.kdir if (r.kdir / MANIFEST).exists() else None
 
 
@@ -202,6 +220,7 @@ def build_cache(
     rank: int | None = None,
     world_size: int | None = None,
     wait_timeout: float | None = None,
+    store: bool = False,
     **options: Any,
 ) -> Path:
     """Build (or finish, or reuse) the cache for these arguments; returns the key directory.
@@ -210,9 +229,16 @@ def build_cache(
     ``rank``/``world_size`` default to the ``RANK``/``WORLD_SIZE`` environment; every rank returns
     once ``metadata.json`` exists (``wait_timeout`` seconds at most, None = forever).
     ``strict``: the first bad row raises ``ValueError`` naming it instead of being skipped.
+    ``store``: build the sample store (one unpadded sample per entry; ``vl/plan.py`` packs it)
+    instead of a packed cache; ``seq_len`` / ``buffer_size`` / ``buckets`` do not change it.
     """
     rank, world = _dist_env(rank, world_size)
-    res = resolve(config_from(dataset, split, seq_len, buffer_size, **options), cache_dir)
+    cfg0 = config_from(dataset, split, seq_len, buffer_size, store=store, **options)
+    if store and not force and source_absent(cfg0.dataset):
+        found = find_store_by_identity(cfg0, cache_dir)
+        if found is not None:
+            return found
+    res = resolve(cfg0, cache_dir)
     kdir, cfg = res.kdir, res.config
     if not force and (kdir / MANIFEST).exists():
         return kdir  # complete: no lock needed to read it (metadata.json is written last)
@@ -288,7 +314,8 @@ class _ShardBuilder:
                     pending = self._submit(pool, mine[n + 1])
                 tmp = shards / f".tmp-{k:05d}-{self.tag}-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
-                st = write_shard(tmp, results, cfg.seq_len, cfg.buffer_size, buckets, patch_dim)
+                st = write_shard(tmp, results, cfg.seq_len, cfg.buffer_size, buckets, patch_dim,
+                                 store=cfg.store)  # fmt: skip
                 packs += st["packs"]
                 publish_shard(tmp, shards / f"{k:05d}")
                 bar.set_postfix(packs=packs, skipped=skips, refresh=False)
@@ -339,7 +366,7 @@ def _identity(res: Resolved) -> dict[str, Any]:
 
     return {
         "key": res.key,
-        "config": asdict(res.config),
+        "config": store_fields(res.config) if res.config.store else asdict(res.config),
         "dataset_fingerprint": res.rows.fingerprint(),
         "layout": res.rows.layout.describe(),
         "processor": processor_fingerprint(res.processor),
@@ -369,4 +396,5 @@ __all__ = [
     "process_row",
     "resolve",
     "shard_ranges",
+    "source_absent",
 ]

@@ -64,18 +64,46 @@ class BuildConfig:
     truncate: bool = False
     """A sample longer than ``seq_len`` drops whole trailing turns (and their images) until it
     fits, cut after an assistant turn (the loss mask stays whole); False: it is ``too_long``."""
+    store: bool = False
+    """True: build a *sample store* (``vl/plan.py``): every entry one unpadded sample, no
+    packing; ``buffer_size`` and ``buckets`` are not part of its key, nor is ``seq_len`` unless
+    ``truncate`` (the cut depends on it). False: the packed cache of format v2."""
+
+
+PLAN_OPTIONS = ("seq_len", "buffer_size", "buckets")
+"""BuildConfig fields a sample store's packs are planned with (not part of a store's key)."""
+
+
+def sample_max_len(config: BuildConfig) -> int | None:
+    """The longest sample a build keeps (longer ones are ``too_long``, or cut with
+    ``truncate``): ``seq_len`` for a packed cache; None (no limit) for a store, whose plans
+    skip the samples longer than their own ``seq_len``; ``seq_len`` for a truncating store."""
+    return config.seq_len if (config.truncate or not config.store) else None
+
+
+def store_fields(config: BuildConfig) -> dict[str, Any]:
+    """The fields that make a sample store's bytes: all but the plan options (``seq_len``
+    stays when ``truncate``: the cut depends on it)."""
+    from dataclasses import asdict
+
+    drop = ("buffer_size", "buckets") if config.truncate else PLAN_OPTIONS
+    return {k: v for k, v in asdict(config).items() if k not in drop}
 
 
 LAYOUT_OPTIONS = ("format", *(f"{r}_column" for r in COLUMN_ROLES))
 """BuildConfig fields that choose the layout; they enter the key as the resolved layout."""
 
 
-OPTION_NAMES = tuple(f.name for f in fields(BuildConfig) if f.name not in ("dataset", "split"))
+OPTION_NAMES = tuple(
+    f.name for f in fields(BuildConfig) if f.name not in ("dataset", "split", "store")
+)
+"""The options callers pass by name (``store`` is chosen by the function called)."""
 
 
 def config_from(
-    dataset: str | Path, split: str, seq_len: int, buffer_size: int, **options: Any
-) -> BuildConfig:
+    dataset: str | Path, split: str, seq_len: int, buffer_size: int, *, store: bool = False,
+    **options: Any,
+) -> BuildConfig:  # fmt: skip
     """The :class:`BuildConfig` of ``find_cache`` / ``build_cache`` arguments (one place, so the
     two always compute the same key); ``options`` are further BuildConfig fields."""
     from torchtitan_ext.vl.packing import normalize_buckets
@@ -84,7 +112,7 @@ def config_from(
     if unknown:
         raise TypeError(f"unknown cache option(s) {unknown}; known: {list(OPTION_NAMES)}")
     cfg = BuildConfig(dataset=str(dataset), split=split, seq_len=int(seq_len),
-                      buffer_size=int(buffer_size), **options)  # fmt: skip
+                      buffer_size=int(buffer_size), store=store, **options)  # fmt: skip
     cfg.buckets = normalize_buckets(cfg.seq_len, cfg.buckets)
     cfg.rows_per_shard = int(cfg.rows_per_shard)
     cfg.model_path = None if cfg.model_path is None else str(cfg.model_path)

@@ -3,7 +3,10 @@
 Algorithm
 ---------
 The cache (``torchtitan_ext.vl.cache.VLCache``) holds ``N`` packs; each pack is already tokenised,
-packed, padded to a bucket length and carries uint8 pixel patches. This dataset only decides *which*
+packed, padded to a bucket length and carries uint8 pixel patches. Or the packs are the ``N``
+packs of a plan over a sample store (``vl/plan.py``'s ``PlannedStore``, gathered from the
+store's samples when read): everything below works over plan indices the same way, since it
+uses only ``len`` and ``pack(i)``. This dataset only decides *which*
 pack each data-parallel rank (and each DataLoader worker) reads next, and remembers where it is:
 
 * **Global order.** Epoch ``e`` visits the packs in ``perm_e = randperm(N, seed + e)`` (or

@@ -204,12 +204,14 @@ def _check_fields(meta: dict[str, Any], mf: Path) -> None:
     digest but written by something else must still fail with a named field, not a KeyError)."""
     cfg = meta.get("config")
     _need(isinstance(cfg, dict), mf, "config", "is missing or not an object")
-    _need(
-        _is_count(cfg.get("seq_len")) and cfg["seq_len"] > 0,
-        mf,
-        "config.seq_len",
-        "is not positive",
-    )
+    _need(cfg.get("store", False) in (True, False), mf, "config.store", "is not a boolean")
+    if not cfg.get("store") or "seq_len" in cfg:  # a store without truncate has no seq_len
+        _need(
+            _is_count(cfg.get("seq_len")) and cfg["seq_len"] > 0,
+            mf,
+            "config.seq_len",
+            "is not positive",
+        )
     sp = meta.get("special_tokens")
     _need(isinstance(sp, dict), mf, "special_tokens", "is missing or not an object")
     for k in ("pad_id", "image_pad_id"):

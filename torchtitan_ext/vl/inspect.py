@@ -7,6 +7,11 @@ layout (pixel_values float32 [N, 1536], input_ids/labels int64, position_ids int
 image_grid_thw int64). ``--verify`` also re-hashes every file (sha256; ~1 GB/s) and checks every
 shard's index; ``--render PACK OUT.png`` draws one pack (render.py).
 
+A sample store (``vl/plan.py``; what ``preprocess-cached`` builds) is summarised the same way, its
+"packs" being its samples; with ``--seq-len`` (and ``--buffer-size``, ``--buckets``) the plan of
+those options is computed from the stored lengths and its stats are shown (``plan``), and
+``--render`` draws a pack of that plan.
+
 Exit status: 0 when everything checked is intact; 2 with one line on stderr naming the file and
 what is wrong when the cache is damaged (or is not a cache). Nothing is written to the cache.
 """
@@ -54,6 +59,7 @@ def summary(path: str | Path) -> dict[str, Any]:
     packs = max(c["packs"], 1)
     return {
         "path": str(p),
+        "store": cache.is_store,
         "key": meta["key"],
         "config": meta["config"],
         "layout": meta["layout"],
@@ -94,13 +100,17 @@ def _layout_text(layout: dict[str, Any]) -> str:
 
 def format_table(s: dict[str, Any]) -> str:
     spp, ipp, fill = s["samples_per_pack"], s["images_per_pack"], s["fill_pct"]
+    cfg = s["config"]
+    plan_opts = (
+        ("kind", "sample store: one unpadded sample per entry (packs are planned at load)")
+        if s.get("store")
+        else ("seq_len / buffer / buckets",
+              f"{cfg['seq_len']} / {cfg['buffer_size']} / {cfg['buckets']}")
+    )  # fmt: skip
     rows = [
         ("cache", s["path"]),
         ("key", s["key"][:16]),
-        (
-            "seq_len / buffer / buckets",
-            f"{s['config']['seq_len']} / {s['config']['buffer_size']} / {s['config']['buckets']}",
-        ),
+        plan_opts,
         ("row layout", _layout_text(s["layout"])),
         ("packs", f"{s['packs']}"),
         (
@@ -131,6 +141,16 @@ def format_table(s: dict[str, Any]) -> str:
         ),
         ("total on disk", _fmt_bytes(s["bytes_total"])),
     ]
+    if "plan" in s:
+        pl = s["plan"]
+        rows += [
+            ("plan: seq_len / buffer / buckets",
+             f"{pl['seq_len']} / {pl['buffer_size']} / {pl['buckets']}"),
+            ("plan: packs / samples / too_long", f"{pl['packs']} / {pl['samples']} / "
+                                                 f"{pl['too_long']}"),
+            ("plan: samples per pack, fill %", f"{pl['samples_per_pack']:.2f}, {pl['fill_pct']}"),
+            ("plan: bucket counts", json.dumps(pl["bucket_counts"])),
+        ]  # fmt: skip
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -155,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("PACK", "OUT_PNG"),
         help="draw pack PACK (thumbnails + token strip per sample) to OUT_PNG",
     )
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="a sample store: show the plan of this pack length (and render its packs)",
+    )
+    ap.add_argument("--buffer-size", type=int, default=64, help="the plan's best-fit buffer")
+    ap.add_argument("--buckets", default=None, help="the plan's padded lengths, e.g. 4096,6144")
     a = ap.parse_args(argv)
     try:
         path = resolve_cache_dir(a.cache_dir)
@@ -168,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{e.filename or path}: {e.strerror or e}")
     except (KeyError, TypeError, ValueError) as e:  # a sound digest over foreign content
         return _fail(f"{path / PACKING_STATS}: unexpected content ({e!r})")
+    planned = None
+    if a.seq_len is not None and s["store"]:
+        from torchtitan_ext.vl.plan import PlannedStore, PlanOptions
+
+        buckets = [int(x) for x in a.buckets.split(",") if x.strip()] if a.buckets else None
+        try:
+            planned = PlannedStore.open(path, PlanOptions.make(a.seq_len, a.buffer_size, buckets))
+        except (CacheError, ValueError) as e:
+            return _fail(str(e))
+        s["plan"] = planned.plan.stats()
     print(json.dumps(s, indent=1) if a.json else format_table(s))
     if a.verify:
         problems = verify_cache(path)
@@ -180,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_ext.vl.render import render_pack
 
         try:
-            out = render_pack(VLCache.open(path), int(a.render[0]), a.render[1])
+            packs = planned if planned is not None else VLCache.open(path)
+            out = render_pack(packs, int(a.render[0]), a.render[1])
         except (CacheError, IndexError) as e:
             return _fail(str(e))
         print(f"rendered pack {a.render[0]} -> {out}")

@@ -48,22 +48,26 @@ class SourceOptions:
     """Dataset split (part of the cache key)."""
 
     cache_dir: str = "./preprocessed_cache"
-    """Root directory of caches; each key gets a sub-directory
-    ``<dataset>_<split>_seq<L>_buf<B>_<hash>``."""
+    """Root directory of caches; each key gets a sub-directory: a sample store
+    ``<dataset>_<split>_store_<hash>`` (a packed cache of format v2:
+    ``<dataset>_<split>_seq<L>_buf<B>_<hash>``)."""
 
     cache_path: str | None = None
     """An explicit cache key directory; skips the key lookup (and building)."""
 
     pack_seq_len: int | None = None
-    """Pack length (tokens). None: the trainer's ``training.seq_len``. Must equal the
-    ``seq_len`` the cache was built with — it is part of the key."""
+    """Pack length (tokens). None: the trainer's ``training.seq_len``. A sample store is
+    planned for it when the loader starts (any value; nothing is rebuilt); a packed v2 cache
+    must have been built with it (part of its key)."""
 
     buffer_size: int = 64
-    """Samples the best-fit packer chooses from (part of the key)."""
+    """Samples the best-fit packer chooses from (the plan's; part of a packed v2 cache's
+    key)."""
 
     buckets: list[int] | None = None
     """Allowed padded pack lengths (each <= pack_seq_len); None: every pack is padded to
-    pack_seq_len. Fewer distinct shapes -> fewer torch.compile recompilations."""
+    pack_seq_len. Fewer distinct shapes -> fewer torch.compile recompilations. The plan's
+    (part of a packed v2 cache's key)."""
 
     model_path: str | None = None
     """Qwen3-VL model/processor directory (tokenizer + preprocessor config); None: the
@@ -72,7 +76,8 @@ class SourceOptions:
     Its fingerprint is part of the key."""
 
     max_samples: int | None = None
-    """Use only the first N rows of the split (part of the key)."""
+    """Use only the first N rows of the split (part of the key, and of the identity a sample
+    store records, by which it is found when the source has been moved away)."""
 
     use_preprocessed_cache: bool = True
     """Use a complete cache for the key when one exists."""

@@ -1,15 +1,24 @@
-"""Where a VL training job's packs come from: a cache that exists, a cache built now, or the online
-fallback. ``vl/reader.py`` (under the torchtitan loader) opens its packs with :func:`open_packs`.
+"""Where a VL training job's packs come from: a sample store planned now, a packed cache that
+exists, a store built now, or the online fallback. ``vl/reader.py`` (under the torchtitan loader)
+opens its packs with :func:`open_packs`.
 
 :func:`choose_cache` resolves the data source once:
 
-1. ``cache_path`` -> that cache directory, as it is;
-2. ``force_preprocess`` -> rebuild the cache for the configured key (``vl.build.build_cache``);
-3. else a complete cache for the key exists and ``use_preprocessed_cache`` -> use it;
-4. else ``build_if_missing`` -> build it now (``build_cache`` splits the shards over the job's
-   ranks via RANK/WORLD_SIZE; every rank returns once the cache is complete);
+1. ``cache_path`` -> that directory, as it is (a sample store or a packed cache);
+2. ``force_preprocess`` -> rebuild the sample store for the configured key
+   (``vl.build.build_cache(store=True)``);
+3. else, with ``use_preprocessed_cache``: the sample store of the key (its key has no
+   ``seq_len`` / ``buffer_size`` / ``buckets``: those only make the plan, ``vl/plan.py``); when
+   the source is a local path that no longer exists, the store whose manifest records this
+   source and processor (one line says its fingerprint could not be re-checked); else a packed
+   cache (format v2, built before stores) of the full key;
+4. else ``build_if_missing`` -> build the store now (``build_cache`` splits the shards over the
+   job's ranks via RANK/WORLD_SIZE; every rank returns once it is complete);
 5. else None: the caller falls back to ``vl.online.OnlineVLDataset``, which runs the *same*
    preprocessing and packing inside the loader, with a loud warning that it is slow.
+
+A store is read through its plan (``PlannedStore``: packs gathered from the store's samples),
+a packed cache as it is; both give the same packs for the same options.
 
 The request is a :class:`~torchtitan_ext.vl.options.SourceOptions` (the ``cached_vl`` loader Config
 inherits it). Its fields named like a :class:`~torchtitan_ext.vl.build_config.BuildConfig` field
@@ -84,7 +93,7 @@ def _build(req: SourceOptions, seq_len: int, force: bool) -> Path:
 
     kw = key_args(req, seq_len)
     logger.warning(
-        "building the VL cache for %s under %s (the full preprocessing runs now)",
+        "building the VL sample store for %s under %s (the full preprocessing runs now)",
         kw["dataset"],
         req.cache_dir,
     )
@@ -92,6 +101,7 @@ def _build(req: SourceOptions, seq_len: int, force: bool) -> Path:
     return Path(
         build.build_cache(
             **kw,
+            store=True,
             num_workers=req.preprocess_workers,
             strict=req.strict,
             force=force,
@@ -112,12 +122,20 @@ def choose_cache(req: SourceOptions, seq_len: int) -> Path | None:
     if req.force_preprocess:
         return _build(req, seq_len, force=True)
     if req.use_preprocessed_cache:
-        from torchtitan_ext.vl.build import find_cache
+        from torchtitan_ext.vl.build import find_cache, source_absent
 
-        found = find_cache(**key_args(req, seq_len))
+        kw = key_args(req, seq_len)
+        found = find_cache(**kw, store=True)
+        if found is None and not source_absent(str(kw["dataset"])):
+            found = find_cache(**kw)  # a packed cache built before sample stores
         if found is not None:
             logger.info("using VL cache %s", found)
             return Path(found)
+        if source_absent(str(kw["dataset"])):
+            raise FileNotFoundError(
+                f"VL dataset {kw['dataset']} does not exist and no sample store under "
+                f"{req.cache_dir} records it (same split, max_samples, options and processor)"
+            )
         if req.build_if_missing:
             return _build(req, seq_len, force=False)
     msg = (
@@ -164,7 +182,7 @@ def open_packs(
         from torchtitan_ext.vl.dataset import CachedVLDataset
 
         ds = CachedVLDataset(
-            path,
+            _open_cache_or_plan(path, req, seq_len),
             dp_rank,
             dp_world_size,
             infinite=order.infinite,
@@ -175,6 +193,7 @@ def open_packs(
         )
         cache: Any = ds.cache
         return Packs("cache", path, ds, dict(cache.special_tokens), dict(cache.metadata))
+
     from torchtitan_ext.vl.online import OnlineVLDataset
 
     kw = key_args(req, seq_len)
@@ -189,3 +208,18 @@ def open_packs(
         strict=req.strict,
     )
     return Packs("online", None, online, online.special_tokens, online.metadata)
+
+
+def _open_cache_or_plan(path: Path, req: SourceOptions, seq_len: int) -> Any:
+    """A packed cache's path (``CachedVLDataset`` opens it, and re-opens it in each worker), or
+    a sample store planned with this request's options."""
+    from torchtitan_ext.vl.cache import VLCache, resolve_cache_dir
+    from torchtitan_ext.vl.plan import PlannedStore, PlanOptions, plan_packs
+
+    cache = VLCache.open(resolve_cache_dir(path))
+    if not cache.is_store:
+        return path
+    lengths = [cache.shard_sample_lengths(s) for s in range(cache.num_shards)]
+    plan = plan_packs(lengths, PlanOptions.make(seq_len, req.buffer_size, req.buckets))
+    logger.info("VL plan over %s: %s", cache.path, plan.stats())
+    return PlannedStore(cache, plan)

@@ -1,7 +1,11 @@
-"""``preprocess-cached`` / ``python -m torchtitan_ext.vl.preprocess``: build the packed VL cache.
+"""``preprocess-cached`` / ``python -m torchtitan_ext.vl.preprocess``: build the VL sample store.
 
 Thin CLI over :func:`torchtitan_ext.vl.build.build_cache` (see build.py for the algorithm and
-cache.py for the layout). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank
+cache.py for the layout). It builds the *sample store* (``vl/plan.py``: every image processed
+once, whatever the pack length); ``--seq-len`` / ``--buffer-size`` / ``--buckets`` are the plan's
+options: the plan is computed from the stored lengths and its stats printed (a new value plans
+the same store again, in seconds). ``--packed`` builds the packed cache of format v2 instead
+(packs fixed at build time; its key holds the plan options). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank
 builds its share of shards; every rank returns once the manifest is written. ``--dataset sample``
 and ``--dataset sample_chat`` use the generated sample datasets (``torchtitan_ext.vl.sample_data``).
 Every option is a :class:`~torchtitan_ext.vl.build.BuildConfig` field of the same name (its default
@@ -30,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     d = {f.name: f.default for f in fields(BuildConfig)}
     p = argparse.ArgumentParser(
         prog="preprocess-cached",
-        description="Preprocess a VL dataset (VQA rows or chat conversations) into a packed "
-        "Qwen3-VL TensorDict memmap cache.",
+        description="Preprocess a VL dataset (VQA rows or chat conversations) into a Qwen3-VL "
+        "sample store (TensorDict memmaps) and print the plan of --seq-len/--buffer-size/--buckets.",
     )
     _source_args(p, d)
     _cache_args(p, d)
@@ -76,13 +80,23 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
     """The rest of the cache key (packing, processor, images, fingerprint) and where it goes."""
     from torchtitan_ext.vl.sources import FINGERPRINTS
 
-    p.add_argument("--seq-len", type=int, default=d["seq_len"], help="max tokens per pack")
-    p.add_argument("--buffer-size", type=int, default=d["buffer_size"], help="best-fit buffer")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=d["seq_len"],
+        help="max tokens per pack (the plan's; with --truncate also the store's cut)",
+    )
+    p.add_argument(
+        "--buffer-size", type=int, default=d["buffer_size"], help="best-fit buffer (the plan's)"
+    )
     p.add_argument(
         "--buckets",
         default=None,
-        help="comma-separated padded lengths (<= seq-len); default: pad to seq-len",
+        help="comma-separated padded lengths (<= seq-len; the plan's); default: pad to seq-len",
     )
+    p.add_argument("--packed", action="store_true",
+                   help="build the packed cache of format v2 (packs fixed at build time) instead "
+                   "of the sample store")  # fmt: skip
     p.add_argument(
         "--model-path",
         default=None,
@@ -158,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             strict=a.strict,
             force=a.force,
             show_progress=not a.quiet,
+            store=not a.packed,
             **options,
         )
     except (CacheLockedError, FileNotFoundError, ValueError) as e:
@@ -172,18 +187,39 @@ def main(argv: list[str] | None = None) -> int:
     how = "detected" if a.format == "auto" else "as asked"
     print(f"cache: {path}")
     print(f"row layout {lay['layout']} ({how}) from columns {cols}")
-    print(
-        f"packs {st['packs']}  samples {st['samples_packed']}  skipped {st['skipped_total']} "
-        f"{st['skipped']}  fill {st['fill_pct']['mean']}%  ({dt:.1f}s this run)"
-    )
-    if not st["packs"]:  # a cache no loader can read: the build did not do its job
+    skipped = dict(st["skipped"])
+    if a.packed:
+        packs, samples, fill = st["packs"], st["samples_packed"], st["fill_pct"]["mean"]
+    else:
+        plan = _plan_stats(path, a)
+        print(f"sample store: {st['samples_packed']} samples, {st['tokens']} tokens, "
+              f"{st['images']} images ({dt:.1f}s this run)")  # fmt: skip
+        if plan["too_long"]:
+            skipped["too_long"] = skipped.get("too_long", 0) + plan["too_long"]
+        packs, samples, fill = plan["packs"], plan["samples"], plan["fill_pct"]
+        print(f"plan seq_len {plan['seq_len']} buffer {plan['buffer_size']} buckets "
+              f"{plan['buckets']}: {json.dumps(plan['bucket_counts'])}")  # fmt: skip
+    n_skip = sum(skipped.values())
+    print(f"packs {packs}  samples {samples}  skipped {n_skip} {skipped}  fill {fill}%  "
+          f"({dt:.1f}s this run)")  # fmt: skip
+    if not packs:  # a cache no loader can read: the build did not do its job
         print(
             f"preprocess-cached: error: no usable rows in {a.dataset} ({a.split}): "
-            f"{st['skipped_total']} skipped {st['skipped']}; the cache at {path} holds no packs",
+            f"{n_skip} skipped {skipped}; the cache at {path} holds no packs",
             file=sys.stderr,
         )
         return 2
     return 0
+
+
+def _plan_stats(path, a: argparse.Namespace) -> dict:
+    """The stats of the plan of ``--seq-len`` / ``--buffer-size`` / ``--buckets`` over the
+    store at ``path`` (computed from the stored lengths, nothing kept)."""
+    from torchtitan_ext.vl.plan import PlannedStore, PlanOptions
+
+    return PlannedStore.open(
+        path, PlanOptions.make(a.seq_len, a.buffer_size, a.buckets)
+    ).plan.stats()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchtitan_ext.constants import IGNORE_INDEX
-from torchtitan_ext.vl.build_config import BuildConfig
+from torchtitan_ext.vl.build_config import BuildConfig, sample_max_len
 from torchtitan_ext.vl.layouts import ChatSample
 from torchtitan_ext.vl.write import ProcessedRow, Skip
 
@@ -37,7 +37,7 @@ def process_parsed(
                 pil.append(decode_image(cell, config.max_image_pixels, config.exif_transpose, root))
             except SampleError as e:
                 raise e.at_image(i, n) from None
-        return process_chat(processor, sample.messages, pil, max_len=config.seq_len,
+        return process_chat(processor, sample.messages, pil, max_len=sample_max_len(config),
                             positions=positions, truncate=config.truncate)  # fmt: skip
     except SampleError:
         raise

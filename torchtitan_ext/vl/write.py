@@ -103,13 +103,16 @@ class _ShardCounts:
 
 
 def _pack_order(
-    ok: list[ProcessedRow], seq_len: int, buffer_size: int, buckets: list[int]
+    ok: list[ProcessedRow], seq_len: int, buffer_size: int, buckets: list[int], store: bool
 ) -> tuple[list[ProcessedRow], np.ndarray, np.ndarray]:
     """Samples in pack order, pack offsets [K+1, 4] (sample, token, image, patch) and padded
-    lengths [K]."""
+    lengths [K]. ``store``: every sample its own unpadded "pack", in row order."""
     from torchtitan_ext.vl.packing import best_fit_packs, bucket_length
 
-    packs = list(best_fit_packs([len(r.tokens) for r in ok], seq_len, buffer_size))
+    if store:
+        packs = [[i] for i in range(len(ok))]
+    else:
+        packs = list(best_fit_packs([len(r.tokens) for r in ok], seq_len, buffer_size))
     order = [ok[i] for p in packs for i in p]
     offsets = np.zeros((len(packs) + 1, 4), dtype=np.int64)
     pack_len = np.zeros(len(packs), dtype=np.int32)
@@ -123,7 +126,7 @@ def _pack_order(
             sum(len(r.grid_thw) for r in rows),
             sum(len(r.pixels) for r in rows),
         )
-        pack_len[j] = bucket_length(nt, buckets)
+        pack_len[j] = nt if store else bucket_length(nt, buckets)
         k += len(p)
     return order, offsets, pack_len
 
@@ -135,8 +138,12 @@ def write_shard(
     buffer_size: int,
     buckets: list[int],
     patch_dim: int,
+    *,
+    store: bool = False,
 ) -> dict[str, Any]:
-    """Pack one shard's rows and write its TensorDict memmap + ``stats.json`` into ``out``."""
+    """Pack one shard's rows and write its TensorDict memmap + ``stats.json`` into ``out``.
+    ``store``: a sample store's shard: one unpadded sample per pack entry, in row order (the
+    same columns, so the same checks, ``verify`` and ``inspect-cache`` apply)."""
     from tensordict import TensorDict
 
     counts = _ShardCounts(rows_read=len(rows))
@@ -148,7 +155,7 @@ def write_shard(
             ok.append(r)
             counts.truncated += r.turns_dropped > 0
             counts.turns_dropped += r.turns_dropped
-    order, offsets, pack_len = _pack_order(ok, seq_len, buffer_size, buckets)
+    order, offsets, pack_len = _pack_order(ok, seq_len, buffer_size, buckets, store)
 
     def cat(xs: list[np.ndarray], dtype, tail=()) -> torch.Tensor:
         if not xs:

@@ -1,0 +1,60 @@
+"""Assembling one pack's tensors from its samples' stored arrays: the one function behind a packed
+cache's ``VLCache.pack`` and a plan's ``PlannedStore.pack`` (``vl/plan.py``), so that the two give
+bitwise the same pack for the same samples in the same order."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torchtitan_ext.constants import IGNORE_INDEX
+
+
+def assemble_pack(
+    tokens: np.ndarray,
+    label_mask: np.ndarray,
+    sample_lens: np.ndarray,
+    grid_thw: np.ndarray,
+    pixels: np.ndarray,
+    pad_to: int,
+    special_tokens: dict[str, int],
+    merge_size: int,
+    copy_pixels: bool = True,
+) -> dict[str, torch.Tensor]:
+    """One pack's tensors (``VLCache.pack``'s dict) from its samples' stored arrays, in order:
+    padding to ``pad_to``, labels from the mask (each sample's first token never a target) and
+    the four position rows per sample (a pure function of its tokens and grids). The one
+    assembly of a packed cache's pack and of a planned pack of a sample store (``vl/plan.py``),
+    so the two are bitwise equal for the same samples in the same order."""
+    from torchtitan_ext.vl.processor import position_rows
+
+    tok = tokens.astype(np.int64)
+    mask = label_mask.astype(bool)
+    grid = grid_thw.astype(np.int64)
+    n, L = len(tok), pad_to
+    ids = np.full(L, special_tokens["pad_id"], dtype=np.int64)
+    ids[:n] = tok
+    labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+    labels[:n] = np.where(mask, tok, IGNORE_INDEX)
+    pos = np.zeros((4, L), dtype=np.int64)
+    img_pad = special_tokens["image_pad_id"]
+    at, gi = 0, 0
+    for ln in sample_lens.tolist():
+        seg = tok[at : at + ln]
+        n_img = int(
+            np.count_nonzero(np.diff(np.concatenate(([0], (seg == img_pad).view(np.int8)))) == 1)
+        )
+        labels[at] = IGNORE_INDEX
+        pos[:, at : at + ln] = position_rows(seg, grid[gi : gi + n_img], img_pad, merge_size)
+        at += ln
+        gi += n_img
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(pos),
+        "seq_lens": torch.from_numpy(sample_lens.astype(np.int32)),
+        # numpy's copy: torch's clone of a file-backed tensor measured ~20 ms per 1.5 MB here
+        "pixel_u8": torch.from_numpy(pixels.copy() if copy_pixels else pixels),
+        "image_grid_thw": torch.from_numpy(grid),
+        "num_tokens": torch.tensor(n, dtype=torch.int64),
+    }
