@@ -304,10 +304,14 @@ def test_preflight_refuses_a_bad_mixture_before_the_model(
 
 def test_a_source_with_no_packs_is_one_line(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan_ext.vl.cache import VLCache
+    from torchtitan_ext.vl.plan import PlannedStore
 
-    real = VLCache.__len__
     chat = str(env["chat"].name).replace("_", "-")
-    monkeypatch.setattr(VLCache, "__len__", lambda c: 0 if chat in c.path.name else real(c))
+    for cls in (VLCache, PlannedStore):  # a packed cache, or a sample store's plan
+        real = cls.__len__
+        monkeypatch.setattr(
+            cls, "__len__", lambda c, real=real: 0 if chat in c.path.name else real(c)
+        )
     with pytest.raises(MixtureError) as e:
         build(env, mix(env))
     _one_line(e, "source 'chat'", "holds no packs")

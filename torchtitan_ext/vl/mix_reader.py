@@ -45,6 +45,7 @@ from torchtitan_ext.vl.mix_stages import (
     strip_counters,
 )
 from torchtitan_ext.vl.options import BatchOptions, OrderOptions, SourceOptions, WorkerOptions
+from torchtitan_ext.vl.plan import PlannedStore
 from torchtitan_ext.vl.reader import VLReader, _check, check_model_tokenizer, processor_path
 from torchtitan_ext.vl.stages import CollatePacks, CountBatches
 
@@ -91,7 +92,8 @@ def open_source_cache(req: SourceOptions, seq_len: int, name: str) -> Any:
     naming the source when it has none or it holds no packs."""
     from torchtitan_ext.vl import build
     from torchtitan_ext.vl.cache import VLCache
-    from torchtitan_ext.vl.pack_source import choose_cache, key_args
+    from torchtitan_ext.vl.pack_source import choose_cache, key_args, open_cache_or_plan
+    from torchtitan_ext.vl.store_lookup import source_absent
 
     label = f"{WHERE} source {name!r}"
     if not (req.use_preprocessed_cache or req.force_preprocess):
@@ -100,16 +102,23 @@ def open_source_cache(req: SourceOptions, seq_len: int, name: str) -> Any:
             "single-source online fallback) cannot serve it"
         )
     try:
-        if not (req.force_preprocess or req.build_if_missing) and (
-            build.find_cache(**key_args(req, seq_len)) is None
+        kw = key_args(req, seq_len)
+        if (
+            not (req.force_preprocess or req.build_if_missing)
+            and not source_absent(str(kw["dataset"]))  # absent: a store recorded for it
+            and build.find_cache(**kw, store=True) is None
+            and build.find_cache(**kw) is None
         ):
             raise MixtureError(
-                f"{label}: no VL cache for {key_args(req, seq_len)['dataset']} (split "
-                f"{req.split!r}) under {req.cache_dir}; a mixture reads caches only: build it "
-                "with `preprocess-cached` or set dataloader.build_if_missing = true"
+                f"{label}: no VL cache for {kw['dataset']} (split {req.split!r}) under "
+                f"{req.cache_dir}; a mixture reads caches only: build it with "
+                "`preprocess-cached` or set dataloader.build_if_missing = true"
             )
         path = choose_cache(req, seq_len)
-        cache = VLCache.open(path)
+        if path is None:
+            raise MixtureError(f"{label}: no VL cache for {kw['dataset']} under {req.cache_dir}")
+        opened = open_cache_or_plan(path, req, seq_len)  # a sample store: planned here
+        cache = VLCache.open(opened) if isinstance(opened, Path) else opened
     except MixtureError:
         raise
     except (OSError, ValueError) as e:
@@ -183,12 +192,15 @@ class MixVLReader(VLReader):
         ]
         check_same_build(self.names, caches)
         self.cache_paths: list[Path] = [Path(c.path) for c in caches]
+        # what a worker process opens: a packed cache by its path, a planned store as itself
+        # (it pickles as its path and plan)
+        reopen = [c if isinstance(c, PlannedStore) else Path(c.path) for c in caches]
         self.source, self.cache_path = "cache", self.cache_paths[0]
         self.special_tokens = dict(caches[0].special_tokens)
         self.num_workers = workers.num_workers
         self.walker = Walker(mix_plan(specs, [len(c) for c in caches], mix, order))
         self.dataset = MixedVLDataset(
-            self.cache_paths,
+            reopen,
             self.walker,
             rank=dp_rank,
             world=dp_world_size,

@@ -166,12 +166,12 @@ class MixPacks(Stage[dict]):
 class MixedVLDataset(IterableDataset):
     """This rank's mixture packs for DataLoader workers: worker ``w`` of ``n`` takes the rank's
     packs in blocks of ``block_size``, blocks ``w, w + n, ...`` (as ``vl.dataset.worker_item_index``),
-    from ``anchor``; each pack dict carries ``mix_source``. The caches are opened by path in each
-    worker."""
+    from ``anchor``; each pack dict carries ``mix_source``. ``sources[k]``: a packed cache's path
+    (opened in each worker) or a planned sample store (pickled as its path and plan)."""
 
     def __init__(
         self,
-        paths: Sequence[Path],
+        sources: Sequence[Path | Any],
         walker: Walker,
         *,
         rank: int,
@@ -180,7 +180,7 @@ class MixedVLDataset(IterableDataset):
         block_size: int,
     ) -> None:
         super().__init__()
-        self.paths, self.walker = list(paths), walker
+        self.paths, self.walker = list(sources), walker
         self.rank, self.world, self.remainder, self.block_size = rank, world, remainder, block_size
         self.anchor = MixPos.start(len(self.paths))
         self._caches: list[Any] | None = None
@@ -192,7 +192,7 @@ class MixedVLDataset(IterableDataset):
         if self._caches is None:
             from torchtitan_ext.vl.cache import VLCache
 
-            self._caches = [VLCache.open(p) for p in self.paths]
+            self._caches = [VLCache.open(p) if isinstance(p, Path) else p for p in self.paths]
         return self._caches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -182,7 +182,7 @@ def open_packs(
         from torchtitan_ext.vl.dataset import CachedVLDataset
 
         ds = CachedVLDataset(
-            _open_cache_or_plan(path, req, seq_len),
+            open_cache_or_plan(path, req, seq_len),
             dp_rank,
             dp_world_size,
             infinite=order.infinite,
@@ -210,7 +210,7 @@ def open_packs(
     return Packs("online", None, online, online.special_tokens, online.metadata)
 
 
-def _open_cache_or_plan(path: Path, req: SourceOptions, seq_len: int) -> Any:
+def open_cache_or_plan(path: Path, req: SourceOptions, seq_len: int) -> Any:
     """A packed cache's path (``CachedVLDataset`` opens it, and re-opens it in each worker), or
     a sample store planned with this request's options."""
     from torchtitan_ext.vl.cache import VLCache, resolve_cache_dir
