@@ -377,7 +377,7 @@ def load_config(
 
 def resolve_paths(cfg: ExtTrainer.Config) -> None:
     """Resolve the special value ``"embedded"`` (embedded corpus / tokenizer, built on first use)."""
-    from torchtitan_ext.data.embedded import ensure_embedded_data
+    from torchtitan_ext.data.embedded import ensure_embedded_data, resolve_embedded
 
     def embedded() -> Path:
         return ensure_embedded_data()
@@ -387,6 +387,12 @@ def resolve_paths(cfg: ExtTrainer.Config) -> None:
     for ld in (cfg.dataloader, getattr(cfg.validator, "dataloader", None)):
         if ld is not None and getattr(ld, "dataset_path", None) == EMBEDDED:
             ld.dataset_path = str(embedded())
+        # "embedded:<corpus>" (one embedded corpus alone), also as a mixture source's path
+        if ld is not None and isinstance(getattr(ld, "dataset_path", None), str):
+            ld.dataset_path = resolve_embedded(ld.dataset_path)
+        for src in getattr(ld, "sources", None) or []:
+            if isinstance(src.path, str):
+                src.path = resolve_embedded(src.path)
 
 
 def check_consistency(cfg: ExtTrainer.Config, file: str = "<config>") -> None:

@@ -60,9 +60,20 @@ def _paragraphs(text: str) -> list[str]:
 
 def corpus_documents(seed: int = 0, median_chars: int = 1600, sigma: float = 1.1) -> list[str]:
     """The embedded corpus as a deterministic list of documents with long-tailed lengths."""
+    by_source = documents_by_source(seed, median_chars, sigma)
+    return [d for name in SOURCES for d in by_source[name]]
+
+
+def documents_by_source(
+    seed: int = 0, median_chars: int = 1600, sigma: float = 1.1
+) -> dict[str, list[str]]:
+    """:func:`corpus_documents` per source text (file name -> its documents, in order): the
+    same documents, cut with the same random sequence (one generator over the sources in
+    :data:`SOURCES` order), so the concatenation is exactly ``corpus_documents()``."""
     rng = random.Random(seed)
-    docs: list[str] = []
+    out: dict[str, list[str]] = {}
     for name in SOURCES:
+        docs: list[str] = out.setdefault(name, [])
         cur: list[str] = []
         size = 0
         target = rng.lognormvariate(0.0, sigma) * median_chars
@@ -75,7 +86,7 @@ def corpus_documents(seed: int = 0, median_chars: int = 1600, sigma: float = 1.1
                 target = rng.lognormvariate(0.0, sigma) * median_chars
         if cur:
             docs.append("\n\n".join(cur))
-    return docs
+    return out
 
 
 def write_parquet_shards(
@@ -151,6 +162,65 @@ def ensure_embedded_data(
         (tmp / "info.json").write_text(json.dumps(info, indent=2))
 
     return build_atomically(final, fill, meta)
+
+
+CORPORA = {"war_and_peace": "war_and_peace.txt.gz", "shakespeare": "tinyshakespeare.txt.gz"}
+"""The embedded corpora by name: ``dataset_path`` / ``[[dataloader.sources]] path`` =
+``"embedded:<name>"`` reads one of them alone (:func:`ensure_embedded_corpus`)."""
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def ensure_embedded_corpus(
+    name: str,
+    root: str | Path | None = None,
+    *,
+    num_shards: int = 2,
+    rows_per_group: int = 64,
+    val_fraction: float = 0.02,
+) -> Path:
+    """Build (once) and return the Parquet directory of one embedded corpus (``name`` a key of
+    :data:`CORPORA`): its documents of :func:`documents_by_source` (the same ones the default
+    embedded dataset holds), the last ``val_fraction`` in ``val-*.parquet``, the rest in
+    ``num_shards`` train shards of ``rows_per_group``-document row groups (small groups: one
+    corpus has only a few hundred documents and every DP rank needs a row group). No tokenizer:
+    the default embedded dataset's (:func:`embedded_tokenizer_dir`) covers both corpora."""
+    if name not in CORPORA:
+        raise ValueError(
+            f"unknown embedded corpus {name!r}: use one of "
+            + ", ".join(f"'{EMBEDDED_PREFIX}{k}'" for k in CORPORA)
+        )
+    root = Path(root) if root is not None else cache_root()
+    final = root / f"embedded_{name}_v{FORMAT_VERSION}_s{num_shards}_g{rows_per_group}"
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "corpus": name,
+        "num_shards": num_shards,
+        "rows_per_group": rows_per_group,
+        "val_fraction": val_fraction,
+    }
+
+    def fill(tmp: Path) -> None:
+        docs = documents_by_source()[CORPORA[name]]
+        n_val = max(1, int(len(docs) * val_fraction))
+        write_parquet_shards(docs[:-n_val], tmp, "train", num_shards, rows_per_group)
+        write_parquet_shards(docs[-n_val:], tmp, "val", 1, rows_per_group)
+        info = {
+            "format_version": FORMAT_VERSION,
+            "documents": {"train": len(docs) - n_val, "val": n_val},
+            "sources": [CORPORA[name]],
+        }
+        (tmp / "info.json").write_text(json.dumps(info, indent=2))
+
+    return build_atomically(final, fill, meta)
+
+
+def resolve_embedded(path: str) -> str:
+    """``"embedded:<name>"`` -> that corpus's directory (built on first use); any other path
+    unchanged."""
+    if isinstance(path, str) and path.startswith(EMBEDDED_PREFIX):
+        return str(ensure_embedded_corpus(path[len(EMBEDDED_PREFIX) :]))
+    return path
 
 
 def embedded_tokenizer_dir(root: str | Path | None = None) -> Path:
