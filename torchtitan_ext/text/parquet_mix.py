@@ -85,7 +85,10 @@ def check_parquet_sources(
             path = source_path(s)
             files = list_split(path, s.split or split, val_files)
         except (OSError, ValueError) as e:
-            raise MixtureError(f"{label}: path {s.path!r}: {e}") from None
+            said = str(s.path) in str(e)  # the reader's message names the path already
+            raise MixtureError(
+                f"{label}: {e}" if said else f"{label}: path {s.path!r}: {e}"
+            ) from None
         rows = 0
         for f in files:
             try:
