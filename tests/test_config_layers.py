@@ -84,6 +84,9 @@ def field_cases(cls: type) -> list[tuple[str, Any, Any, Any]]:
     for f in dataclasses.fields(cls):
         if f.name.startswith("_") or not f.init:
             continue
+        tp = _strip_optional(hints[f.name])
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            continue  # [[section.key]] tables (a mixture's sources): TOML only, tested by its loader
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         t, c = two_values(hints[f.name], default)
         out.append((f.name, default, t, c))
