@@ -133,7 +133,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         loads or a reader starts."""
         from torchtitan_ext.text.parquet_mix import check_parquet_sources
 
-        check_parquet_sources(
+        paths = check_parquet_sources(
             config.sources or [], config.split, config.val_files, config.on_bad_input
         )
         if tok is None:
@@ -150,6 +150,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world_size,
             stop=config.mix_stop,
+            paths=paths,
             source=options(ParquetOptions, config),
             pack=options(PackOptions, config),
             prefetch=options(PrefetchOptions, config),

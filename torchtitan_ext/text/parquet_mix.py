@@ -184,6 +184,8 @@ class MixedParquetLoader:
 
     Each source reads with the shared ``source`` options but its own ``path``, and its
     ``text_column`` / ``split`` / ``max_epochs`` where the :class:`SourceSpec` sets them.
+    ``paths``: the sources' paths as :func:`check_parquet_sources` returned them (None: it is
+    called here, before the tokenizer or any reader is built).
     """
 
     def __init__(
@@ -196,6 +198,7 @@ class MixedParquetLoader:
         dp_rank: int = 0,
         dp_world_size: int = 1,
         stop: MixStop = "all_exhausted",
+        paths: Sequence[str] | None = None,
         read_delay_s: float = 0.0,
         source: ParquetOptions | None = None,
         pack: PackOptions | None = None,
@@ -203,7 +206,10 @@ class MixedParquetLoader:
     ) -> None:
         src_o, pack_o = source or ParquetOptions(), pack or PackOptions()
         self.specs = list(specs)
-        paths = check_parquet_sources(self.specs, src_o.split, src_o.val_files, src_o.on_bad_input)
+        if paths is None:  # else: check_parquet_sources' result, the caller checked already
+            paths = check_parquet_sources(
+                self.specs, src_o.split, src_o.val_files, src_o.on_bad_input
+            )
         tok = TextTokenizer.coerce(tokenizer)
         self.sources: list[ParquetSource] = []
         self.packs: list[PackedBatches] = []
