@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tests.support.resume import LoaderSpec
+from torchtitan_ext.pipeline import checkpoint
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,48 @@ def parquet_prefetch(variant: Variant, root: Path) -> LoaderSpec:
         staged(build) if variant.staging else build,
         doc_ids_of(id_of),
         set(id_of.values()),
+    )
+
+
+@builder("parquet_mix")
+def parquet_mix(variant: Variant, root: Path) -> LoaderSpec:
+    """``parquet_prefetch`` over a two-source mixture of the ``parquet_id_corpus`` (weights 2:1;
+    source ``a``: files 0-1, ``b``: file 2), so a document id names its source too."""
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+    from torchtitan_ext.pipeline.mix import SourceSpec
+
+    if variant.workers:
+        raise Unsupported("thread-only loader (one Prefetch thread, no worker processes)")
+    data, tok_dir, id_of = parquet_id_corpus(root)
+    for name, files in (("a", (0, 1)), ("b", (2,))):
+        (data / name).mkdir()
+        for f in files:
+            (data / f"train-{f}.parquet").rename(data / name / f"train-{f}.parquet")
+    sources = [
+        SourceSpec(name="a", weight=2.0, path=str(data / "a")),
+        SourceSpec(name="b", weight=1.0, path=str(data / "b")),
+    ]
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = PrefetchingParquetDataLoader.Config(
+            sources=sources, tokenizer_path=str(tok_dir), val_files="none",
+            infinite=infinite, packing="concat_split", buffer_docs=4, chunk_rows=4,
+            queue_size=2, seed=3,
+        )  # fmt: skip
+        return cfg.build(
+            dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=PQ_SEQ_LEN,
+            local_batch_size=2,
+        )  # fmt: skip
+
+    def state(loaders: Any) -> Any:  # the envelope names the loader, parquet_prefetch
+        return checkpoint.envelope("parquet_prefetch", [ld.rank_state() for ld in loaders], "any")
+
+    return LoaderSpec(
+        "parquet_mix",
+        staged(build) if variant.staging else build,
+        doc_ids_of(id_of),
+        set(id_of.values()),
+        state=state,
     )
 
 

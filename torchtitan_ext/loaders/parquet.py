@@ -26,10 +26,17 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.mix import MixOptions, MixtureError
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import State, options
 from torchtitan_ext.text.pack_stage import PackOptions
-from torchtitan_ext.text.parquet_resume import LOADER, resume_state
+from torchtitan_ext.text.parquet_mix import MixedParquetLoader
+from torchtitan_ext.text.parquet_resume import (
+    LOADER,
+    check_stream_kind,
+    resume_mixture_state,
+    resume_state,
+)
 from torchtitan_ext.text.parquet_source import ParquetOptions
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
 from torchtitan_ext.text.tokenize import TextTokenizer
@@ -41,13 +48,15 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
     """Parquet shards -> background read + tokenize -> BOS best-fit packed batches."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config, ParquetOptions, PackOptions, PrefetchOptions):
+    class Config(BaseDataLoader.Config, ParquetOptions, PackOptions, PrefetchOptions, MixOptions):
         dataset: str = "parquet"
         """Informational name of the dataset (logged); the data comes from ``dataset_path``."""
 
         dataset_path: str | None = None
         """Directory, glob (``data/*.parquet``) or file of Parquet shards. ``None`` uses the
-        embedded public-domain corpus (built once into the cache dir; no download)."""
+        embedded public-domain corpus (built once into the cache dir; no download);
+        ``"embedded:war_and_peace"`` / ``"embedded:shakespeare"`` one of its two corpora alone.
+        Leave it unset with ``[[dataloader.sources]]`` (each source names its own ``path``)."""
 
         tokenizer_path: str | None = None
         """A tokenizer dir or ``tokenizer.json`` overriding the Trainer's tokenizer (the one built
@@ -78,11 +87,27 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             seq_len = kwargs.get("max_context_length")
         if seq_len is None:
             raise ValueError("PrefetchingParquetDataLoader needs seq_len")
-        path: Any = config.dataset_path
         tok: Any = config.tokenizer_path or tokenizer
-        if path is None or tok is None:
-            from torchtitan_ext.data.embedded import ensure_embedded_data
+        self.config = config
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.loader: PrefetchingParquetLoader | MixedParquetLoader
+        if config.sources is not None:
+            if config.dataset_path is not None:
+                raise MixtureError(
+                    f"[dataloader] dataset_path = {config.dataset_path!r} and "
+                    "[[dataloader.sources]] are both set: a mixture names each source's path; "
+                    "remove dataset_path"
+                )
+            self.loader = self._mixture(config, tok, int(seq_len), int(local_batch_size))
+            logger.info(f"parquet_prefetch: {self.loader.describe()}")
+            return
+        from torchtitan_ext.data.embedded import ensure_embedded_data, resolve_embedded
 
+        path: Any = config.dataset_path
+        if path is not None:
+            path = resolve_embedded(path)  # "embedded:<corpus>"
+        if path is None or tok is None:
             root = ensure_embedded_data()
             if path is None:
                 path = root
@@ -90,9 +115,6 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
                 tok = root / "tokenizer"
         if config.bos_token is not None:
             tok = TextTokenizer.coerce(tok, bos_token=config.bos_token)
-        self.config = config
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
         self.loader = PrefetchingParquetLoader(
             path,
             tok,
@@ -105,6 +127,34 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
             prefetch=options(PrefetchOptions, config),
         )
         logger.info(f"parquet_prefetch: {self.loader.source.describe()}")
+
+    def _mixture(self, config: Config, tok: Any, seq_len: int, batch_size: int) -> Any:
+        """The mixture's loader; its sources are checked (footers only) before the tokenizer
+        loads or a reader starts."""
+        from torchtitan_ext.text.parquet_mix import check_parquet_sources
+
+        paths = check_parquet_sources(
+            config.sources or [], config.split, config.val_files, config.on_bad_input
+        )
+        if tok is None:
+            from torchtitan_ext.data.embedded import embedded_tokenizer_dir
+
+            tok = embedded_tokenizer_dir()
+        if config.bos_token is not None:
+            tok = TextTokenizer.coerce(tok, bos_token=config.bos_token)
+        return MixedParquetLoader(
+            config.sources or [],
+            tok,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            stop=config.mix_stop,
+            paths=paths,
+            source=options(ParquetOptions, config),
+            pack=options(PackOptions, config),
+            prefetch=options(PrefetchOptions, config),
+        )
 
     @property
     def pipeline(self) -> Prefetch:
@@ -149,10 +199,17 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         is a fresh start; another format is refused in one line (``LoaderStateError``)."""
         if not state_dict:
             return  # an empty state is valid (fresh start), as in torchtitan
-        ranks = checkpoint.open_envelope(state_dict, LOADER, self.dp_world_size, self.rank_state())
-        state = resume_state(
-            ranks, self.dp_rank, self.dp_world_size, self.loader.source.epoch_units
-        )
+        ranks = checkpoint.open_envelope(state_dict, LOADER, self.dp_world_size)
+        mixed = isinstance(self.loader, MixedParquetLoader)
+        check_stream_kind(ranks, self.loader.names if mixed else None)
+        checkpoint.check_like(ranks, self.rank_state(), LOADER)
+        if isinstance(self.loader, MixedParquetLoader):
+            units = [s.epoch_units for s in self.loader.sources]
+            state = resume_mixture_state(ranks, self.dp_rank, self.dp_world_size, units)
+        else:
+            state = resume_state(
+                ranks, self.dp_rank, self.dp_world_size, self.loader.source.epoch_units
+            )
         try:
             self.loader.reset(state)
         except (KeyError, ValueError) as e:

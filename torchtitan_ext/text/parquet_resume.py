@@ -131,3 +131,58 @@ def resume_state(
     if len(ranks) == dp_world_size:
         return ranks[dp_rank]
     return merge_rank_states(ranks, dp_rank, dp_world_size, units_of)
+
+
+# ---------------------------------------------------------------------------- mixtures
+def check_stream_kind(ranks: Sequence[State], names: Sequence[str] | None) -> None:
+    """Refuse, in one line, a checkpoint whose data stream is not the configured one: a
+    single-source state for a mixture (``names``: its sources) or a mixture's for a single
+    source (``names`` None), or a mixture with other sources (added / removed, named)."""
+    from torchtitan_ext.pipeline.mix import mismatch_message
+
+    saved = ranks[0].get("mix") if ranks and isinstance(ranks[0], dict) else None
+    afresh = "start the data stream afresh with --checkpoint.exclude_from_loading dataloader"
+    if names is None and saved is not None:
+        raise LoaderStateError(
+            f"{LOADER}: the checkpoint's data stream is a mixture of "
+            f"{', '.join(map(repr, saved.get('names', [])))} and this config reads one dataset "
+            f"(dataset_path); to continue with one dataset, {afresh}"
+        )
+    if names is not None and saved is None:
+        raise LoaderStateError(
+            f"{LOADER}: the checkpoint's data stream is a single dataset and this config is a "
+            f"mixture of {', '.join(map(repr, names))} ([[dataloader.sources]]); to continue "
+            f"with the mixture, {afresh}"
+        )
+    if names is not None and list(saved.get("names", [])) != list(names):
+        raise LoaderStateError(f"{LOADER}: {mismatch_message(list(saved['names']), names)}")
+
+
+def resume_mixture_state(
+    ranks: Sequence[State],
+    dp_rank: int,
+    dp_world_size: int,
+    units_of: Sequence[Callable[[int], list[Unit]]],
+) -> State:
+    """This rank's mixture state (``parquet_mix.RowBatches.state()``) from every old rank's:
+    the same degree resumes its own; another degree merges each source over the old ranks with
+    :func:`merge_rank_states` (``units_of[k]``: source ``k``'s epoch order) through
+    :func:`~torchtitan_ext.pipeline.mix.resume_mix`; the batch counter carries on new rank 0."""
+    from torchtitan_ext.pipeline.mix import resume_mix
+
+    if len(ranks) == dp_world_size:
+        return ranks[dp_rank]
+    for key in ("seq_len", "batch_size"):
+        if len({int(st[key]) for st in ranks}) != 1:
+            raise LoaderStateError(f"{LOADER}: the old DP ranks' states disagree on {key}")
+
+    def chain(k: int, olds: list[State], rank: int, world: int) -> State:
+        return merge_rank_states(olds, rank, world, units_of[k])
+
+    mix = resume_mix([st["mix"] for st in ranks], dp_rank, dp_world_size, chain)
+    return {
+        "seq_len": int(ranks[0]["seq_len"]),
+        "batch_size": int(ranks[0]["batch_size"]),
+        "batches": sum(int(st["batches"]) for st in ranks) if dp_rank == 0 else 0,
+        "mix": mix,
+    }

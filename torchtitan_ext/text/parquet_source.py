@@ -44,6 +44,7 @@ and skip counts. A resumed, partial epoch proves nothing and is not counted.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -58,6 +59,9 @@ from torchtitan_ext.pipeline.elastic import Phase, Progress, Unit, deal, replay
 from torchtitan_ext.pipeline.stage import Stage, State
 from torchtitan_ext.text.errors import NoUsableDocuments
 from torchtitan_ext.text.parquet import Chunk, ParquetFiles
+
+# The public module's name: users configure (and filter) the loader's logging under it.
+logger = logging.getLogger("torchtitan_ext.text.prefetch")
 
 
 @dataclass(kw_only=True)
@@ -79,6 +83,10 @@ class ParquetOptions:
     infinite: bool = True
     """Cycle epochs forever (training). ``False``: one pass, then the iterator ends. Required
     by torchtitan's validator, which calls ``replace(config, infinite=...)``."""
+
+    max_epochs: int | None = None
+    """With ``infinite``: stop after this many passes (epochs) instead of cycling forever;
+    None: forever. A mixture sets it per source (``[[dataloader.sources]] max_epochs``)."""
 
     seed: int = 0
     """Seed of the per-epoch row-group order (one global order, dealt to the DP ranks)."""
@@ -194,6 +202,7 @@ class ParquetSource(Stage[Chunk]):
     """DP rank ``dp_rank`` of ``dp_world_size``'s chunks of one split (see the module doc).
 
     ``read_delay_s`` sleeps that long per row-group read (simulated slow storage: benchmarks).
+    ``name``: the source's name in a mixture; each epoch it starts is then logged naming it.
     """
 
     def __init__(
@@ -204,10 +213,14 @@ class ParquetSource(Stage[Chunk]):
         dp_rank: int = 0,
         dp_world_size: int = 1,
         read_delay_s: float = 0.0,
+        name: str | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_world_size={dp_world_size})")
         self.options = o = options or ParquetOptions()
+        if o.max_epochs is not None and int(o.max_epochs) < 1:
+            raise ValueError(f"max_epochs must be >= 1 or None, got {o.max_epochs}")
+        self.name = name
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.chunk_rows, self.read_ahead = max(1, int(o.chunk_rows)), max(0, int(o.read_ahead))
         self.files = ParquetFiles(
@@ -254,6 +267,14 @@ class ParquetSource(Stage[Chunk]):
                 f"{len(f.row_groups)} row group(s) in {f.files_named()} have 0 rows"
                 f"{self._unreadable()}; drop the empty shards"
             )
+
+    @property
+    def epochs(self) -> float:
+        """Passes this stream makes: 1 (``infinite = false``), ``max_epochs``, or infinity."""
+        o = self.options
+        if not o.infinite:
+            return 1
+        return float("inf") if o.max_epochs is None else int(o.max_epochs)
 
     # ------------------------------------------------------------------ order
     def epoch_units(self, epoch: int) -> list[Unit]:
@@ -323,7 +344,7 @@ class ParquetSource(Stage[Chunk]):
     def _walk(self, pos: Position) -> Iterator[_Step | Position]:
         """The units to read from ``pos`` on, each with the position before it; a
         :class:`Position` item marks the end of an epoch (it is that epoch's start)."""
-        while self.options.infinite or pos.epoch == 0:
+        while pos.epoch < self.epochs:
             mine = self.my_units(pos)
             for k in range(pos.progress.units_done, len(mine)):
                 rows_done = pos.progress.rows_done if k == pos.progress.units_done else 0
@@ -362,6 +383,13 @@ class ParquetSource(Stage[Chunk]):
                 step = pending.popleft()
                 if isinstance(step, Position):  # an epoch ends
                     streak = self._check_epoch(streak, epoch if whole else None)
+                    if self.name is not None and step.epoch + 1 < self.epochs:
+                        logger.info(
+                            "parquet_prefetch: source %r starts epoch %d%s",
+                            self.name,
+                            step.epoch + 1,
+                            "" if self.epochs == float("inf") else f" (max_epochs {self.epochs})",
+                        )
                     whole, epoch = True, _Tally()
                     continue
                 while step.fut is not None and not step.fut.done():
@@ -388,7 +416,7 @@ class ParquetSource(Stage[Chunk]):
     def _check_epoch(self, streak: _Tally, epoch: _Tally | None) -> _Tally:
         """The streak of whole epochs without a usable document, after ``epoch`` (None: not a
         whole epoch); raises NoUsableDocuments once the streak proves there is none to read."""
-        if epoch is None or epoch.docs or not self.options.infinite:  # a pass just ends
+        if epoch is None or epoch.docs or self.epochs != float("inf"):  # a finite stream ends
             return _Tally()
         streak.merge(epoch)
         if not self.options.shuffle or len(streak.groups) == len(self._rows):
