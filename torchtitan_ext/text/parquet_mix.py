@@ -4,18 +4,19 @@
 :mod:`torchtitan_ext.text.prefetch` into::
 
     ParquetSource(source A) -> PackedBatches(batch_size=1) ─┐
-    ParquetSource(source B) -> PackedBatches(batch_size=1) ─┼─> Mix ──> RowBatches ──> Prefetch
+    ParquetSource(source B) -> PackedBatches(batch_size=1) ─┼─> Mix ──> ParquetRowBatches ──> Prefetch
     ...                                                     ─┘ (stream = dp_rank)
 
 Each source has its own reader (its row groups dealt to the DP ranks as for a single source,
 its own epochs and ``max_epochs``) and its own packer, so **a row never holds two sources** and
-a weight is a share of rows of ``seq_len + 1`` tokens, i.e. of tokens. :class:`RowBatches`
-stacks ``batch_size`` drawn rows into the usual ``({"input", "positions"}, labels)`` batch; at
+a weight is a share of rows of ``seq_len + 1`` tokens, i.e. of tokens. :class:`ParquetRowBatches`
+(the streaming loader's :class:`~torchtitan_ext.text.row_batches.RowBatches`, plus this loader's
+state) stacks ``batch_size`` drawn rows into the usual ``({"input", "positions"}, labels)`` batch; at
 the end of a finite mixture the last batch is padded with ignored-label rows exactly as
 :class:`~torchtitan_ext.text.pack_stage.PackedBatches` pads a single source's, so shapes never
 change.
 
-State (``RowBatches.state()``): ``seq_len``, ``batch_size``, ``batches`` and ``mix`` (the
+State (``ParquetRowBatches.state()``): ``seq_len``, ``batch_size``, ``batches`` and ``mix`` (the
 :class:`~torchtitan_ext.pipeline.mix.Mix` state: draws, per-source ``taken`` and each source's
 own ``PackedBatches`` state). Resume: the same degree continues bitwise; another degree goes
 through :func:`~torchtitan_ext.pipeline.mix.resume_mix` with the single-source merge
@@ -33,15 +34,13 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.pipeline import checkpoint
 from torchtitan_ext.pipeline.mix import Mix, MixStop, MixtureError, SourceSpec, check_sources
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
-from torchtitan_ext.pipeline.stage import Stage, State
+from torchtitan_ext.pipeline.stage import Map, State
 from torchtitan_ext.text.pack_stage import Batch, PackedBatches, PackOptions
 from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
+from torchtitan_ext.text.row_batches import RowBatches
 from torchtitan_ext.text.tokenize import TextTokenizer
 
 WHERE = "[[dataloader.sources]]"
@@ -108,47 +107,40 @@ def check_parquet_sources(
     return paths
 
 
-class RowBatches(Stage[Batch]):
-    """``batch_size`` rows of ``upstream`` (one-row batches) stacked into one batch; at the end
-    of a finite stream the last batch is padded with ``pad_id`` rows whose labels are all
-    ignored (as :class:`PackedBatches` pads), then ``StopIteration``."""
+def one_row(batch: Batch) -> Batch:
+    """A one-row batch ``[1, T]`` (a source's ``PackedBatches(batch_size=1)``) as a row ``[T]``."""
+    x, labels = batch
+    return {k: v[0] for k, v in x.items()}, labels[0]
 
-    def __init__(self, upstream: Stage[Batch], *, seq_len: int, batch_size: int, pad_id: int):
-        self.upstream = upstream
-        self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
+
+class ParquetRowBatches(RowBatches):
+    """:class:`~torchtitan_ext.text.row_batches.RowBatches` (the stacking and the padded end,
+    shared with the streaming loader) with the Parquet loader's state around the mixture's:
+    ``seq_len`` and ``batch_size`` (a resumed stream cannot change them), ``batches``, and the
+    figures of :meth:`stats` a plain sum over sources gets wrong. ``upstream``: the
+    :class:`~torchtitan_ext.pipeline.mix.Mix` whose rows (one-row batches) are stacked."""
+
+    def __init__(self, upstream: Mix[Batch], *, seq_len: int, batch_size: int, pad_id: int):
+        super().__init__(Map(upstream, one_row), batch_size, pad_id)
+        self.mix, self.seq_len = upstream, seq_len
         self.batches = 0
 
     def next(self) -> Batch:
-        rows: list[Batch] = []
-        while len(rows) < self.batch_size:
-            try:
-                rows.append(self.upstream.next())
-            except StopIteration:
-                break
-        if not rows:
-            raise StopIteration
-        B, T, n = self.batch_size, self.seq_len, len(rows)
-        inputs = torch.empty((B, T), dtype=torch.int64)
-        positions = torch.empty((B, T), dtype=torch.int64)
-        labels = torch.empty((B, T), dtype=torch.int64)
-        for i, (x, y) in enumerate(rows):
-            inputs[i], positions[i], labels[i] = x["input"][0], x["positions"][0], y[0]
-        if n < B:  # the end of a finite mixture: padding rows, every label ignored
-            inputs[n:], positions[n:], labels[n:] = self.pad_id, 0, IGNORE_INDEX
+        out = super().next()
         self.batches += 1
-        return {"input": inputs, "positions": positions}, labels
+        return out
 
     def state(self) -> State:
         return {
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "batches": self.batches,
-            "mix": self.upstream.state(),
+            "mix": self.mix.state(),
         }
 
     def reset(self, state: State | None = None) -> None:
         if state is None:
-            self.upstream.reset(None)
+            self.mix.reset(None)
             self.batches = 0
             return
         for key, mine in (("seq_len", self.seq_len), ("batch_size", self.batch_size)):
@@ -157,7 +149,7 @@ class RowBatches(Stage[Batch]):
                     f"loader state has {key}={int(state[key])}, this loader has {key}={mine}: "
                     "a resumed data stream cannot change it"
                 )
-        self.upstream.reset(state["mix"])
+        self.mix.reset(state["mix"])
         self.batches = int(state["batches"])
 
     def stats(self, state: State) -> dict[str, Any]:
@@ -166,7 +158,7 @@ class RowBatches(Stage[Batch]):
         the figures a sum gets wrong made again: ``batches`` (this stage's), ``crop_pct`` and
         ``fill_pct`` (over every source's packer) and ``epoch`` (the highest source epoch: has
         any source started repeating)."""
-        out = self.upstream.stats(state["mix"])
+        out = self.mix.stats(state["mix"])
         srcs = state["mix"]["sources"]
         pcs = [s["packer"]["counters"] for s in srcs]
         tin, tout = sum(p["tokens_in"] for p in pcs), sum(p["tokens_out"] for p in pcs)
@@ -228,7 +220,7 @@ class MixedParquetLoader:
             self.packs.append(PackedBatches(src, tok, pack_o, seq_len=seq_len, batch_size=1))
         self.mix = Mix(self.packs, self.specs, seed=src_o.seed, stream=dp_rank, stop=stop)
         pad = self.packs[0].packer.pad_id
-        self.rows = RowBatches(self.mix, seq_len=seq_len, batch_size=batch_size, pad_id=pad)
+        self.rows = ParquetRowBatches(self.mix, seq_len=seq_len, batch_size=batch_size, pad_id=pad)
         self.pipeline = Prefetch(
             self.rows, prefetch or PrefetchOptions(), name=f"parquet-mix-{src_o.split}-dp{dp_rank}"
         )

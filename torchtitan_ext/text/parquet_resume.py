@@ -164,7 +164,7 @@ def resume_mixture_state(
     dp_world_size: int,
     units_of: Sequence[Callable[[int], list[Unit]]],
 ) -> State:
-    """This rank's mixture state (``parquet_mix.RowBatches.state()``) from every old rank's:
+    """This rank's mixture state (``parquet_mix.ParquetRowBatches.state()``) from every old rank's:
     the same degree resumes its own; another degree merges each source over the old ranks with
     :func:`merge_rank_states` (``units_of[k]``: source ``k``'s epoch order) through
     :func:`~torchtitan_ext.pipeline.mix.resume_mix`; the batch counter carries on new rank 0."""
