@@ -110,7 +110,12 @@ def test_rows_never_straddle_sources_and_shares_follow_the_weights(data):
     keys = set(single.get_stats())
     single.close()
     assert keys <= set(st) and st["docs_used"] == a["docs_used"] + b["docs_used"]
-    assert {"items", "share", "target", "ended", "docs_used", "epoch"} <= set(a)
+    assert {"items", "share", "target", "ended", "docs_used", "epoch", "tokens_read"} <= set(a)
+    # tokens per source (what the step log's data/source/<name>/tokens reads): every token of
+    # the 400 rows was read from some source (rows overlap by one token: seq_len + 1 windows)
+    assert st["tokens_read"] == a["tokens_read"] + b["tokens_read"]
+    assert a["tokens_read"] > b["tokens_read"] > 0
+    assert st["tokens_read"] >= rows * x["input"].shape[-1]
 
 
 def test_max_epochs_ends_a_source_and_new_epochs_name_their_source(data, caplog):

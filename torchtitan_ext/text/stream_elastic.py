@@ -180,6 +180,7 @@ def merge(old: Sequence[dict[str, Any]], nslots: int) -> list[dict[str, Any]]:
                 ),
                 "track": [list(tr) for _, tr in dealt[t]],
                 "row_tail": -1,
+                "tokens_read": sum(int(st.get("tokens_read", 0)) for st in mine),
             }
         )
     return out

@@ -157,6 +157,9 @@ def slot_stats(state: State) -> dict[str, Any]:
     }
     if "packer" in state:
         out["buffered_tokens"] = sum(int(n) for n in state["packer"]["lengths"])
+        # tokens of the documents read into the packer (EOS boundaries included); a state saved
+        # before this counter existed starts it at 0
+        out["tokens_read"] = int(state.get("tokens_read", 0))
     return out
 
 
@@ -381,6 +384,7 @@ class PackBatches(Stage[Any]):
         self.track: deque[list[int]] = deque()
         self.ended = False
         self.row_tail = -1  # last token of the last row emitted (-1: none yet)
+        self.tokens_read = 0
 
     def state(self) -> State:
         return {
@@ -389,6 +393,7 @@ class PackBatches(Stage[Any]):
             "packer": packer_state(self.packer),
             "track": [list(t) for t in self.track],
             "row_tail": self.row_tail,
+            "tokens_read": self.tokens_read,
         }
 
     def reset(self, state: State | None = None) -> None:
@@ -399,6 +404,7 @@ class PackBatches(Stage[Any]):
             self.track = deque([int(v) for v in t] for t in state["track"])
             self.ended = bool(int(state["ended"]))
             self.row_tail = int(state.get("row_tail", -1))
+            self.tokens_read = int(state.get("tokens_read", 0))
 
     def stats(self, state: State) -> dict[str, Any]:
         return slot_stats(state)
@@ -447,6 +453,7 @@ class PackBatches(Stage[Any]):
             self.packer.add(doc)
             n = len(doc) + 1  # +1: the EOS boundary
             self.track.append([did, epoch, n, n])
+            self.tokens_read += n
         return True
 
     def _sample(self, final: bool) -> Any:

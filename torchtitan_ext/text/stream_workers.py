@@ -146,16 +146,19 @@ class WorkerChains(Stage[Any]):
 
 
 def merged_stats(per_slot: list[dict[str, Any]]) -> dict[str, Any]:
-    """Epoch (slowest slot), documents used and skips summed over slots."""
+    """Epoch (slowest slot); documents used, tokens read and skips summed over slots."""
     if not per_slot:
         return {}
     skips: dict[str, int] = {}
     for s in per_slot:
         for k, v in s["skips"].items():
             skips[k] = skips.get(k, 0) + int(v)
-    return {
+    out = {
         "epoch": min(int(s["epoch"]) for s in per_slot),
         "docs_used": sum(int(s["docs_used"]) for s in per_slot),
         "skipped": sum(skips.values()),
         "skips": skips,
     }
+    if all("tokens_read" in s for s in per_slot):
+        out["tokens_read"] = sum(int(s["tokens_read"]) for s in per_slot)
+    return out
