@@ -174,12 +174,12 @@ def test_loader_config_defaults_are_the_loaders_own():
     agree on every setting they share (the Config is what --help shows). The loaders' Configs
     *are made of* their stages' options dataclasses, so their defaults are theirs by construction."""
     from torchtitan_ext.pipeline.prefetch import PrefetchOptions
-    from torchtitan_ext.text import pack_stage, stream_stages
+    from torchtitan_ext.text import pack_stage, stream_pack, stream_stages
     from torchtitan_ext.text.parquet_source import ParquetOptions
 
     checked = 0
     made_of = {
-        "streaming_text": (stream_stages.StreamOptions, stream_stages.PackOptions, PrefetchOptions),
+        "streaming_text": (stream_stages.StreamOptions, stream_pack.PackOptions, PrefetchOptions),
         "parquet_prefetch": (ParquetOptions, pack_stage.PackOptions, PrefetchOptions),
     }
     for name, parts in made_of.items():

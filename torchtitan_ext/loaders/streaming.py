@@ -45,7 +45,8 @@ from torchtitan_ext.text.stream_mix import (
     open_sources,
     resume_slots,
 )
-from torchtitan_ext.text.stream_stages import PackOptions, StreamOptions, open_source, slot_stats
+from torchtitan_ext.text.stream_pack import PackOptions
+from torchtitan_ext.text.stream_stages import StreamOptions, open_source, slot_stats
 from torchtitan_ext.text.stream_workers import ChainSpec, WorkerChains, merged_stats
 from torchtitan_ext.text.streaming import check_args
 from torchtitan_ext.text.tokenize import TextTokenizer

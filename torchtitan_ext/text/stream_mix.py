@@ -50,10 +50,9 @@ from torchtitan_ext.pipeline.mix import (
 from torchtitan_ext.pipeline.stage import Map, State
 from torchtitan_ext.text.row_batches import RowBatches
 from torchtitan_ext.text.stream_elastic import merge
+from torchtitan_ext.text.stream_pack import PackBatches, PackOptions
 from torchtitan_ext.text.stream_source import FORMATS, StreamSource
 from torchtitan_ext.text.stream_stages import (
-    PackBatches,
-    PackOptions,
     StreamDocs,
     StreamOptions,
     open_source,

@@ -1,7 +1,7 @@
 """The streaming loader's chains in worker processes, as ONE stage.
 
 :class:`WorkerChains` runs one chain (:class:`~torchtitan_ext.text.stream_stages.StreamDocs` ->
-:class:`~torchtitan_ext.text.stream_stages.PackBatches`) per worker process of a plain
+:class:`~torchtitan_ext.text.stream_pack.PackBatches`) per worker process of a plain
 ``torch.utils.data.DataLoader`` (``batch_size=None``: the chain batches). Each worker yields
 ``(worker, batch, chain state right after it)``; the stage keeps the latest state of every
 worker and which worker comes next. Its state is ``{"workers": [chain state per worker],
@@ -29,10 +29,9 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torchtitan_ext.pipeline.stage import Stage, State
+from torchtitan_ext.text.stream_pack import PackBatches, PackOptions
 from torchtitan_ext.text.stream_source import StreamSource
 from torchtitan_ext.text.stream_stages import (
-    PackBatches,
-    PackOptions,
     StreamDocs,
     StreamOptions,
     slot_stats,

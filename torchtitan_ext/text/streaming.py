@@ -86,13 +86,12 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan_ext.pipeline.stage import State
+from torchtitan_ext.text.stream_pack import PackBatches, PackOptions
 from torchtitan_ext.text.stream_rows import Sample, as_json
 from torchtitan_ext.text.stream_source import resolve_local_files
 from torchtitan_ext.text.stream_stages import (
     STATE_VERSION,
     DocumentLimitReached,
-    PackBatches,
-    PackOptions,
     StreamDocs,
     StreamOptions,
     open_source,
