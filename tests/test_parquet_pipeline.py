@@ -21,8 +21,9 @@ from torchtitan_ext.pipeline.prefetch import PrefetchOptions
 from torchtitan_ext.pipeline.stage import options
 from torchtitan_ext.text.diversity import DiversityMeter
 from torchtitan_ext.text.pack_stage import PackOptions
+from torchtitan_ext.text.parquet_position import Position, epoch_units
 from torchtitan_ext.text.parquet_resume import merge_positions
-from torchtitan_ext.text.parquet_source import ParquetOptions, Position, epoch_units
+from torchtitan_ext.text.parquet_source import ParquetOptions
 
 SEQ_LEN = PQ_SEQ_LEN
 

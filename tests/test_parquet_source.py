@@ -12,7 +12,8 @@ import pytest
 
 from torchtitan_ext.text.errors import BadInputError, SkipLog
 from torchtitan_ext.text.parquet import ParquetFiles, list_split
-from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource, Position
+from torchtitan_ext.text.parquet_position import Position
+from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
 
 
 def _write(path: Path, texts: list, rows_per_group: int, column: str = "text", typ=None) -> Path:

@@ -22,7 +22,8 @@ from torchtitan_ext.data.embedded import ensure_embedded_data
 from torchtitan_ext.pipeline.elastic import Progress
 from torchtitan_ext.text.errors import NoUsableDocuments
 from torchtitan_ext.text.parquet import ParquetFiles
-from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource, Position
+from torchtitan_ext.text.parquet_position import Position
+from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
 from torchtitan_ext.text.prefetch import PrefetchingParquetLoader
 from torchtitan_ext.text.streaming import StreamingTextDataset
 from torchtitan_ext.text.tokenize import TextTokenizer

@@ -151,7 +151,7 @@ class Chunk:
     skips: list[tuple[str, str, int]] = field(default_factory=list)
     """(reason, where, count) for each skipped record or range."""
     position: Any = None
-    """The source's position right after this chunk (a ``parquet_source.Position``)."""
+    """The source's position right after this chunk (a ``parquet_position.Position``)."""
 
 
 class ParquetFiles:

@@ -32,7 +32,7 @@ from torchtitan_ext.pipeline.checkpoint import LoaderStateError
 from torchtitan_ext.pipeline.elastic import Phase, Progress, Unit, redeal, replay
 from torchtitan_ext.pipeline.stage import State
 from torchtitan_ext.text import packer_state
-from torchtitan_ext.text.parquet_source import Position
+from torchtitan_ext.text.parquet_position import Position
 
 LOADER = "parquet_prefetch"
 
@@ -46,7 +46,7 @@ def merge_positions(
     one, and what they read of the later epochs becomes a phase of those epochs (``ahead``), so
     no row of any epoch is read twice or lost, whatever epochs the old slots were in. The new
     slot starts its deal at ``Progress(0, 0)``. ``units_of(epoch)``: the epoch's global order
-    (:func:`~torchtitan_ext.text.parquet_source.epoch_units`)."""
+    (:func:`~torchtitan_ext.text.parquet_position.epoch_units`)."""
     n = len(positions)
     lo, hi = min(p.epoch for p in positions), max(p.epoch for p in positions)
 
