@@ -238,6 +238,45 @@ def test_reweighting_or_adding_a_source_decodes_no_image_of_the_others(
     assert calls == []  # and that was all: the new source alone decodes nothing more
 
 
+def test_new_weights_and_seq_len_train_with_the_sources_moved_away(
+    env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """After the first build the source data may go: each source's store is found by the
+    identity it records, a new mixture and a new pack length are only a new plan, and no image
+    is decoded."""
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+
+    def sources(vqa: float, chat: float) -> list[SourceSpec]:
+        return [
+            SourceSpec(name="vqa", weight=vqa, path=str(env["vqa2"])),
+            SourceSpec(name="chat", weight=chat, path=str(env["chat"]), format="messages"),
+        ]
+
+    build(env, sources(1, 1), build_if_missing=True).close()  # both sample stores exist
+    calls = _decodes(monkeypatch)
+    moved = {k: tmp_path / k for k in ("vqa2", "chat")}
+    for k, dst in moved.items():
+        env[k].rename(dst)
+    try:
+        assert not env["vqa2"].exists() and not env["chat"].exists()
+        cfg = CachedVLDataLoader.Config(
+            sources=sources(1, 4), cache_dir=str(env["cache_dir"]), buffer_size=4,
+            buckets=[512, 768],
+        )  # fmt: skip
+        ld = cfg.build(dp_rank=0, dp_world_size=1, tokenizer=None, seq_len=768, local_batch_size=2)
+        try:
+            batches = take(ld, 4)
+            st = ld.get_stats()
+        finally:
+            ld.close()
+    finally:
+        for k, dst in moved.items():
+            dst.rename(env[k])
+    assert len(batches) == 4 and st["packs"] == 8
+    assert st["sources"]["chat"]["target"] == 0.8
+    assert calls == [], "a re-plan decoded images"
+
+
 def _one_line(exc: pytest.ExceptionInfo, *parts: str) -> None:
     msg = str(exc.value)
     assert "\n" not in msg and all(p in msg for p in parts), msg
