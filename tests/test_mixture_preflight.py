@@ -200,3 +200,22 @@ def test_command_line_exit_code_2_one_line(tmp_path, data):  # noqa: F811
     assert len(lines) == 1 and lines[0].startswith("config error: "), out.stderr[-2000:]
     assert "source 'code'" in lines[0] and "matches no data file" in lines[0]
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_an_empty_parquet_source_is_named_before_the_model(launch, tmp_path):  # noqa: F811
+    """parquet_prefetch: a source whose files hold no row (footers read, no row) stops the job
+    in preflight, naming the source and its path (the loader, built after the model, would
+    say the same later)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty / "train-0.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty / "val-0.parquet")
+    cfg = (REPO / "train_configs" / "llama3_mixture_cpu.toml").read_text()
+    assert 'path = "embedded:shakespeare"' in cfg
+    job = tmp_path / "job.toml"
+    job.write_text(cfg.replace('path = "embedded:shakespeare"', f'path = "{empty}"'))
+    line = assert_config_error(launch(["--config-file", str(job)]), "source 'shakespeare'")
+    assert "empty source" in line and str(empty) in line

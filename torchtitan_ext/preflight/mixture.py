@@ -4,7 +4,8 @@
   (``[dataloader]`` and, when the validator is on, ``[validator.dataloader]``) can be drawn from
   (:func:`~torchtitan_ext.pipeline.mix.check_sources`: weights, names, ``max_epochs``, exactly
   one of ``path`` / ``dataset``), and every source's local ``path`` (a file, a directory or a
-  glob) holds at least one data file.
+  glob) holds at least one data file; for ``parquet_prefetch``, rows of the split (Parquet
+  footers only: an empty source is named before the model is built).
 * :func:`check_saved_mixture` (run by :func:`~torchtitan_ext.preflight.checkpoint.
   check_checkpoint` when the data state would be resumed): the checkpoint's mixture is the
   configured one. Its source names come from the saved loader envelope itself (every DP rank's
@@ -71,6 +72,29 @@ def check_mixture(job: Job) -> None:
                     "data file; point it at a file, a directory holding the files, or a glob "
                     "that matches them"
                 )
+        _check_parquet_rows(job, loader_cfg, where)
+
+
+def _check_parquet_rows(job: Job, loader_cfg: Any, where: str) -> None:
+    """A Parquet mixture's sources hold rows of their split (footers only, no row read): an
+    empty source is named now, not after the model is built."""
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+
+    if not isinstance(loader_cfg, PrefetchingParquetDataLoader.Config):
+        return
+    from torchtitan_ext.text.parquet_mix import check_parquet_sources
+
+    try:
+        check_parquet_sources(
+            loader_cfg.sources or [],
+            split=loader_cfg.split,
+            val_files=loader_cfg.val_files,
+            on_bad_input=loader_cfg.on_bad_input,
+        )
+    except MixtureError as e:
+        raise ConfigError(
+            f"{job.file}: {str(e).replace('[[dataloader.sources]]', where)}"
+        ) from None
 
 
 def _saved_rank_states(job: Job, step_dir: Path) -> list[Any] | None:
