@@ -361,7 +361,6 @@ def cached_vl_mix(variant: Variant, root: Path) -> LoaderSpec:
     reads one epoch of each source, so ``epoch_docs`` is every pack of both caches."""
     from torchtitan_ext.loaders.vl import CachedVLDataLoader
     from torchtitan_ext.pipeline.mix import SourceSpec
-    from torchtitan_ext.vl.cache import VLCache
     from torchtitan_ext.vl.sample_chat import chat_sample_path
 
     cached_vl(Variant(staging=False, workers=0), root)  # the shared VQA cache (built once)
@@ -393,7 +392,7 @@ def cached_vl_mix(variant: Variant, root: Path) -> LoaderSpec:
             probe = config(True, build=True).build(
                 dp_rank=0, dp_world_size=1, tokenizer=None, seq_len=1024, local_batch_size=1
             )
-        caches = [VLCache.open(p) for p in probe.reader.cache_paths]
+        caches = list(probe.reader.caches)  # what the loader reads (a store: by its plan)
         probe.close()
         pad = int(caches[0].special_tokens["pad_id"])
         ids = {}

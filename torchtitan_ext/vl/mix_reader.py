@@ -191,6 +191,7 @@ class MixVLReader(VLReader):
             open_source_cache(source_request(source, s), self.pack_seq_len, s.name) for s in specs
         ]
         check_same_build(self.names, caches)
+        self.caches = caches  # each source's packs: a packed cache, or a store read by its plan
         self.cache_paths: list[Path] = [Path(c.path) for c in caches]
         # what a worker process opens: a packed cache by its path, a planned store as itself
         # (it pickles as its path and plan)

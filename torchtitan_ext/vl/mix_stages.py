@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan_ext.pipeline.stage import Stage, State
 from torchtitan_ext.vl.dataset import Remainder
 from torchtitan_ext.vl.mix_position import Item, MixPos, Walker, rank_items
 from torchtitan_ext.vl.options import WorkerOptions
-from torchtitan_ext.vl.stages import SOURCE_CACHE, batch_arrays
+from torchtitan_ext.vl.stages import SOURCE_CACHE, WorkerBatches, batch_arrays
 
 PER = ("packs", "tokens", "images", "patches")
 """Per-source counters, in the order of ``state["per"][k]``."""
@@ -223,10 +223,10 @@ class SourceCollate:
         return self.collate(packs), per
 
 
-class MixWorkerBatches(Stage[Any]):
-    """A DataLoader over :class:`MixedVLDataset` with worker processes, as one stage; the state
+class MixWorkerBatches(WorkerBatches):
+    """:class:`~torchtitan_ext.vl.stages.WorkerBatches` over :class:`MixedVLDataset`: the state
     is ``packs``' (a :class:`MixPacks` used for its arithmetic only), moved over the packs of
-    each batch handed over."""
+    each batch handed over and counting them per source."""
 
     def __init__(
         self,
@@ -237,50 +237,16 @@ class MixWorkerBatches(Stage[Any]):
         workers: WorkerOptions,
         pin_memory: bool,
     ) -> None:
-        self.ds, self.packs, self.batch_size = dataset, packs, batch_size
-        self.collate = SourceCollate(collate, len(packs.names))
-        self.workers, self.pin_memory = workers, pin_memory
-        self._it: Any = None
-        self._done = False
+        collate_per_source = SourceCollate(collate, len(packs.names))
+        super().__init__(dataset, batch_size, collate_per_source, workers, pin_memory, packs)
 
     def _start(self) -> Any:
-        kw: dict[str, Any] = {"num_workers": self.workers.num_workers}
-        if self.workers.prefetch_factor is not None:
-            kw["prefetch_factor"] = self.workers.prefetch_factor
         self.ds.anchor = self.packs._pos
-        loader = DataLoader(
-            self.ds,
-            batch_size=self.batch_size,
-            collate_fn=self.collate,
-            pin_memory=self.pin_memory,
-            **kw,
-        )
-        return iter(loader)
+        return super()._start()
 
-    def next(self) -> Any:
-        if self._done:
-            raise StopIteration
-        if self._it is None:
-            self._it = self._start()
-        try:
-            batch, per = next(self._it)
-        except StopIteration:
-            self._done, self._it = True, None
-            raise
+    def _handed_over(self, item: Any) -> Any:
+        batch, per = item
         self.packs.skip(int(batch_arrays(batch)[0].shape[0]))
         for k, added in enumerate(per):
             self.packs.count(k, added)
         return batch
-
-    def state(self) -> State:
-        return self.packs.state()
-
-    def reset(self, state: State | None = None) -> None:
-        self._it, self._done = None, False  # dropping the iterator shuts its workers down
-        self.packs.reset(state)
-
-    def close(self) -> None:
-        self._it = None
-
-    def stats(self, state: State) -> dict[str, Any]:
-        return self.packs.stats(state)

@@ -185,13 +185,15 @@ class WorkerBatches(Stage[Any]):
 
     def __init__(
         self,
-        dataset: CachedVLDataset,
+        dataset: Any,
         batch_size: int,
         collate: Callable,
         workers: WorkerOptions,
         pin_memory: bool,
+        packs: Any = None,
     ) -> None:
-        self.packs = CachePacks(dataset)  # position arithmetic; never iterated here
+        # position arithmetic, never iterated here (a mixture passes its own: vl/mix_stages.py)
+        self.packs = CachePacks(dataset) if packs is None else packs
         self.ds, self.batch_size, self.collate = dataset, batch_size, collate
         self.workers, self.pin_memory = workers, pin_memory
         self._it: Any = None
@@ -210,18 +212,22 @@ class WorkerBatches(Stage[Any]):
         )
         return iter(loader)
 
+    def _handed_over(self, item: Any) -> Any:
+        """Move the position over the packs of ``item`` (what a worker made); the batch."""
+        self.packs._k += int(batch_arrays(item)[0].shape[0])
+        return item
+
     def next(self) -> Any:
         if self._done:
             raise StopIteration
         if self._it is None:
             self._it = self._start()
         try:
-            batch = next(self._it)
+            item = next(self._it)
         except StopIteration:
             self._done, self._it = True, None
             raise
-        self.packs._k += int(batch_arrays(batch)[0].shape[0])
-        return batch
+        return self._handed_over(item)
 
     def state(self) -> State:
         return self.packs.state()
