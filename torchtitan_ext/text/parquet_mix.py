@@ -31,10 +31,10 @@ rules, then each source's files and row count from the footers) raises one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.loader import PrefetchedLoader
 from torchtitan_ext.pipeline.mix import Mix, MixStop, MixtureError, SourceSpec, check_sources
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import Map, State
@@ -170,7 +170,7 @@ class ParquetRowBatches(RowBatches):
         return out
 
 
-class MixedParquetLoader:
+class MixedParquetLoader(PrefetchedLoader):
     """The Parquet loader over a mixture of sources (see the module docstring); the same calls
     as :class:`~torchtitan_ext.text.prefetch.PrefetchingParquetLoader`.
 
@@ -239,29 +239,6 @@ class MixedParquetLoader:
             for s, p, src in zip(self.specs, w, self.sources, strict=True)
         )
 
-    # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        return self.pipeline.next()
-
-    @property
-    def done(self) -> bool:
-        return self.pipeline.done
-
-    def close(self, timeout: float = 10.0) -> bool:
-        return self.pipeline.close(timeout)
-
-    def __enter__(self) -> MixedParquetLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def get_stats(self) -> dict[str, Any]:
-        return self.pipeline.get_stats()
-
     @property
     def skip_counts(self) -> dict[str, int]:
         """Skipped records per reason over every source, as of the last batch returned."""
@@ -279,12 +256,3 @@ class MixedParquetLoader:
             p.checkpoint_state(s) for p, s in zip(self.packs, st["mix"]["sources"], strict=True)
         ]
         return {**st, "mix": {**st["mix"], "sources": srcs}}
-
-    def reset(self, state: State | None = None) -> None:
-        self.pipeline.reset(state)
-
-    def state_dict(self) -> dict[str, Any]:
-        return checkpoint.encode(self.rank_state())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reset(checkpoint.decode(state))

@@ -36,13 +36,12 @@ slow storage, thread policies): ``python -m benchmarks text_loaders``, figures i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
-from torchtitan_ext.pipeline import checkpoint
+from torchtitan_ext.pipeline.loader import PrefetchedLoader
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
 from torchtitan_ext.pipeline.stage import State
-from torchtitan_ext.text.pack_stage import Batch, PackedBatches, PackOptions
+from torchtitan_ext.text.pack_stage import PackedBatches, PackOptions
 from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
 
 _OPTIONS = (ParquetOptions, PackOptions, PrefetchOptions)
@@ -63,7 +62,7 @@ def split_options(
     return out[0], out[1], out[2]  # type: ignore[return-value]
 
 
-class PrefetchingParquetLoader:
+class PrefetchingParquetLoader(PrefetchedLoader):
     """Iterator of packed batches from Parquet shards, read, tokenized and packed in a
     background thread.
 
@@ -113,38 +112,7 @@ class PrefetchingParquetLoader:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
 
-    # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        return self.pipeline.next()
-
-    @property
-    def done(self) -> bool:
-        """A finite pass has ended (``StopIteration`` raised), also when the batches were taken
-        from :attr:`pipeline` directly (device staging, fused)."""
-        return self.pipeline.done
-
-    def close(self, timeout: float = 10.0) -> bool:
-        """Stop the background thread and its read-ahead threads (idempotent), waiting up to
-        ``timeout`` seconds: True once they have all ended. One still running then (a read that
-        never returns cannot be interrupted from Python) is logged as an error with where it is
-        blocked, and False is returned. The loader cannot be iterated afterwards."""
-        return self.pipeline.close(timeout)
-
-    def __enter__(self) -> PrefetchingParquetLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ stats
-    def get_stats(self) -> dict[str, Any]:
-        """Counters for logging (cheap; safe to call every step). Data counters are as of the
-        last batch returned by ``next()`` (exact, and preserved across a resume)."""
-        return self.pipeline.get_stats()
-
     @property
     def skip_counts(self) -> dict[str, int]:
         """Skipped records per reason, as of the last batch returned."""
@@ -163,15 +131,3 @@ class PrefetchingParquetLoader:
         """This rank's state as of the last batch returned, packer compact (what a checkpoint
         holds; :func:`torchtitan_ext.pipeline.checkpoint.encode` makes it pickle-free)."""
         return self.packed.checkpoint_state(self.pipeline.state())
-
-    def reset(self, state: State | None = None) -> None:
-        """Go to ``state`` (a :meth:`rank_state`, decoded) or, with None, to the start."""
-        self.pipeline.reset(state)
-
-    def state_dict(self) -> dict[str, Any]:
-        """:meth:`rank_state`, encoded pickle-free (numpy arrays as little-endian bytes)."""
-        return checkpoint.encode(self.rank_state())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the next batch is the one that followed it."""
-        self.reset(checkpoint.decode(state))
