@@ -57,7 +57,7 @@ def test_sources_tables_become_source_specs(tmp_path, data):
 
 def test_no_sources_is_the_single_dataset_case(tmp_path, data):
     cfg = load_config(mix_config(tmp_path, data, sources=f'dataset_path = "{data}"\n'), [])
-    assert cfg.dataloader.sources is None and cfg.dataloader.dataset_path == str(data)
+    assert cfg.dataloader.sources == [] and cfg.dataloader.dataset_path == str(data)
 
 
 @pytest.mark.parametrize(
@@ -217,7 +217,7 @@ def test_source_config_is_a_single_source_copy():
         split="val",
     )
     a = source_config(cfg, cfg.sources[0])
-    assert (a.sources, a.dataset_path, a.split) == (None, "x.jsonl", "val")
+    assert (a.sources, a.dataset_path, a.split) == ([], "x.jsonl", "val")
     b = source_config(cfg, replace(cfg.sources[1], split="test", text_column="body"))
     assert (b.dataset, b.dataset_path, b.split, b.text_column) == ("hub/b", None, "test", "body")
     with pytest.raises(ValueError, match="source 'a': MixToyLoader.Config has no setting format"):

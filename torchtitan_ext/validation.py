@@ -53,12 +53,12 @@ def mixture_of(loader_cfg: Any) -> list[SourceSpec] | None:
 
 
 def source_config(loader_cfg: Any, spec: SourceSpec) -> Any:
-    """A copy of ``loader_cfg`` reading ``spec``'s data alone: ``sources`` None, ``dataset_path``
+    """A copy of ``loader_cfg`` reading ``spec``'s data alone: ``sources`` empty, ``dataset_path``
     = ``spec.path`` (or ``dataset`` = ``spec.dataset``, ``dataset_path`` None), and the spec's
     ``text_column`` / ``format`` / ``split`` where it sets them and the Config has the field
     (None keeps the loader's own, e.g. ``split = "val"`` of ``[validator.dataloader]``)."""
     names = {f.name for f in fields(loader_cfg)}
-    changes: dict[str, Any] = {"sources": None}
+    changes: dict[str, Any] = {"sources": []}
     if spec.path is not None:
         changes["dataset_path"] = spec.path
     else:

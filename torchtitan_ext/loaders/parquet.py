@@ -92,7 +92,7 @@ class PrefetchingParquetDataLoader(BaseDataLoader):
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.loader: PrefetchingParquetLoader | MixedParquetLoader
-        if config.sources is not None:
+        if config.sources:
             if config.dataset_path is not None:
                 raise MixtureError(
                     f"[dataloader] dataset_path = {config.dataset_path!r} and "

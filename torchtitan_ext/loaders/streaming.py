@@ -111,7 +111,7 @@ class StreamingTextDataLoader(BaseDataLoader):
         if tok is None:
             raise ValueError("streaming_text: no tokenizer (set dataloader.tokenizer_path)")
         source = config.dataset_path or config.dataset
-        specs = list(config.sources) if config.sources is not None else None
+        specs = list(config.sources) if config.sources else None
         if specs is not None and source:
             raise MixtureError(
                 f"streaming_text: both [dataloader] dataset_path/dataset ({source!r}) and "

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -104,9 +104,10 @@ class SourceSpec:
 class MixOptions:
     """Options of :class:`Mix` (a loader Config inherits them; TOML ``[dataloader]``)."""
 
-    sources: list[SourceSpec] | None = None
-    """The mixture, one ``[[dataloader.sources]]`` table per dataset; None: the loader's single
-    dataset (unchanged)."""
+    sources: list[SourceSpec] = field(default_factory=list)
+    """The mixture, one ``[[dataloader.sources]]`` table per dataset; empty: the loader's single
+    dataset (unchanged). (A list, not ``None``, when empty: tyro, torchtitan's command-line
+    parser, cannot build a parser for an optional list of tables.)"""
 
     mix_stop: MixStop = "all_exhausted"
     """When a source with ``max_epochs`` ends: ``"all_exhausted"`` (it leaves the mixture, the

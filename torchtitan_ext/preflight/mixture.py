@@ -50,7 +50,7 @@ def data_files(path: str) -> bool:
 
 def configured_names(loader_cfg: Any) -> list[str]:
     """The source names of a loader Config's mixture ([] for a single dataset)."""
-    if isinstance(loader_cfg, MixOptions) and loader_cfg.sources is not None:
+    if isinstance(loader_cfg, MixOptions) and loader_cfg.sources:
         return [s.name for s in loader_cfg.sources]
     return []
 
@@ -58,7 +58,7 @@ def configured_names(loader_cfg: Any) -> list[str]:
 def check_mixture(job: Job) -> None:
     """Every mixture of the job can be drawn from and its local paths hold data files."""
     for section, loader_cfg in job.loaders():
-        if not isinstance(loader_cfg, MixOptions) or loader_cfg.sources is None:
+        if not isinstance(loader_cfg, MixOptions) or not loader_cfg.sources:
             continue
         where = f"[[{section}.sources]]"
         try:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -178,10 +179,10 @@ class Walker:
         parts, d = [], start
         while d < start + n:
             self.source_of(stream, d)  # loads d's block
-            assert self._block is not None
+            block = cast(tuple[Any, np.ndarray], self._block)
             lo = d % BLOCK
             take = min(BLOCK - lo, start + n - d)
-            parts.append(self._block[1][lo : lo + take])
+            parts.append(block[1][lo : lo + take])
             d += take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -216,8 +217,7 @@ def rank_items(
     while True:
         item, after, n = walker.rank_round(pos, world, rank)
         if n == world:
-            assert item is not None
-            yield item, after
+            yield cast(Item, item), after  # a full round: this rank has its item
             pos = after
             continue
         items, after = walker.round(pos, world)
