@@ -245,20 +245,24 @@ def test_new_weights_and_seq_len_train_with_the_sources_moved_away(
     identity it records, a new mixture and a new pack length are only a new plan, and no image
     is decoded."""
     from torchtitan_ext.loaders.vl import CachedVLDataLoader
+    from torchtitan_ext.vl.sample_data import sample_dataset_path
+
+    # its own VQA data (the shared ones' stores are other tests' business), the shared chat data
+    paths = {"vqa": sample_dataset_path(n=6, root=tmp_path / "own"), "chat": env["chat"]}
 
     def sources(vqa: float, chat: float) -> list[SourceSpec]:
         return [
-            SourceSpec(name="vqa", weight=vqa, path=str(env["vqa2"])),
-            SourceSpec(name="chat", weight=chat, path=str(env["chat"]), format="messages"),
+            SourceSpec(name="vqa", weight=vqa, path=str(paths["vqa"])),
+            SourceSpec(name="chat", weight=chat, path=str(paths["chat"]), format="messages"),
         ]
 
     build(env, sources(1, 1), build_if_missing=True).close()  # both sample stores exist
     calls = _decodes(monkeypatch)
-    moved = {k: tmp_path / k for k in ("vqa2", "chat")}
+    moved = {k: tmp_path / f"moved-{k}" for k in paths}
     for k, dst in moved.items():
-        env[k].rename(dst)
+        paths[k].rename(dst)
     try:
-        assert not env["vqa2"].exists() and not env["chat"].exists()
+        assert not paths["vqa"].exists() and not paths["chat"].exists()
         cfg = CachedVLDataLoader.Config(
             sources=sources(1, 4), cache_dir=str(env["cache_dir"]), buffer_size=4,
             buckets=[512, 768],
@@ -271,7 +275,7 @@ def test_new_weights_and_seq_len_train_with_the_sources_moved_away(
             ld.close()
     finally:
         for k, dst in moved.items():
-            dst.rename(env[k])
+            dst.rename(paths[k])
     assert len(batches) == 4 and st["packs"] == 8
     assert st["sources"]["chat"]["target"] == 0.8
     assert calls == [], "a re-plan decoded images"
