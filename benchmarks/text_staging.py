@@ -54,7 +54,13 @@ the start sustains), and there the p99 was **no worse with staging**: loader alo
 (9.9-23.1), fused ``auto`` 13.7 ms (6.5-20.1; paired ratio alone/fused 1.28x, 0.59-2.06), fused
 ``staged`` 12.5 ms (3.4-21.9; 1.40x, 0.95-3.91); p50 72 / 57 / 47 us. So in a producer-bound
 regime staging costs nothing at the tail, and in the quiet 300-step rounds above it cost
-0.03-0.45 ms at p99; the claim stays "not shown" for the case where the loader is far ahead.
+0.03-0.45 ms at p99. A third run, quiet again (2026-11-26 06:45, load average 0.2-0.8; 300 steps,
+6 rounds, ``--set priorities=adaptive --set toy=0 --set before=none``), with the loader ahead of
+its consumer (0.31 % of the loop in ``next()``): p99 loader alone 0.36 ms (0.18-0.87), fused
+``auto`` 0.25 ms (0.13-1.61; paired ratio alone/fused 1.46x, 0.17-4.04), fused ``staged`` 0.26 ms
+(0.18-0.56; 1.37x, 0.58-2.90); p50 ~10-15 us above the loader alone's, as before; time in
+``next()`` 0.35 % vs 0.31 %. So at the median over interleaved rounds staging's p99 is no worse
+than the loader's alone, in both regimes; single rounds vary both ways by up to 4x.
 
 Options (``--set key=value``): ``steps`` (default 300; quick 30), ``warmup`` (30; quick 5), ``mb``
 (corpus size, 20; quick 3), ``before`` (the commit of the former wrapper), ``priorities``
