@@ -174,23 +174,11 @@ def doc_ids_of(id_of: dict[int, int]) -> Callable[[Any], list[int]]:
 
 @builder("parquet_prefetch")
 def parquet_prefetch(variant: Variant, root: Path) -> LoaderSpec:
-    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
 
     if variant.workers:
         raise Unsupported("thread-only loader (one Prefetch thread, no worker processes)")
     data, tok_dir, id_of = parquet_id_corpus(root)
-
-    def build(rank: int, world: int, infinite: bool) -> Any:
-        cfg = PrefetchingParquetDataLoader.Config(
-            dataset_path=str(data), tokenizer_path=str(tok_dir), val_files="none",
-            infinite=infinite, packing="concat_split", buffer_docs=4, chunk_rows=4,
-            queue_size=2, seed=3,
-        )  # fmt: skip
-        return cfg.build(
-            dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=PQ_SEQ_LEN,
-            local_batch_size=2,
-        )  # fmt: skip
-
+    build = _parquet_build(tok_dir, dataset_path=str(data))
     return LoaderSpec(
         "parquet_prefetch",
         staged(build) if variant.staging else build,
@@ -199,11 +187,28 @@ def parquet_prefetch(variant: Variant, root: Path) -> LoaderSpec:
     )
 
 
+def _parquet_build(tok_dir: Path, **data: Any) -> Callable[[int, int, bool], Any]:
+    """``build(rank, world, infinite)`` of the Parquet loader over ``data`` (``dataset_path`` or
+    ``sources``), with the small settings both Parquet builders share."""
+    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = PrefetchingParquetDataLoader.Config(
+            **data, tokenizer_path=str(tok_dir), val_files="none", infinite=infinite,
+            packing="concat_split", buffer_docs=4, chunk_rows=4, queue_size=2, seed=3,
+        )  # fmt: skip
+        return cfg.build(
+            dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=PQ_SEQ_LEN,
+            local_batch_size=2,
+        )  # fmt: skip
+
+    return build
+
+
 @builder("parquet_mix")
 def parquet_mix(variant: Variant, root: Path) -> LoaderSpec:
     """``parquet_prefetch`` over a two-source mixture of the ``parquet_id_corpus`` (weights 2:1;
     source ``a``: files 0-1, ``b``: file 2), so a document id names its source too."""
-    from torchtitan_ext.loaders.parquet import PrefetchingParquetDataLoader
     from torchtitan_ext.pipeline.mix import SourceSpec
 
     if variant.workers:
@@ -218,16 +223,7 @@ def parquet_mix(variant: Variant, root: Path) -> LoaderSpec:
         SourceSpec(name="b", weight=1.0, path=str(data / "b")),
     ]
 
-    def build(rank: int, world: int, infinite: bool) -> Any:
-        cfg = PrefetchingParquetDataLoader.Config(
-            sources=sources, tokenizer_path=str(tok_dir), val_files="none",
-            infinite=infinite, packing="concat_split", buffer_docs=4, chunk_rows=4,
-            queue_size=2, seed=3,
-        )  # fmt: skip
-        return cfg.build(
-            dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=PQ_SEQ_LEN,
-            local_batch_size=2,
-        )  # fmt: skip
+    build = _parquet_build(tok_dir, sources=sources)
 
     def state(loaders: Any) -> Any:  # the envelope names the loader, parquet_prefetch
         return checkpoint.envelope("parquet_prefetch", [ld.rank_state() for ld in loaders], "any")
