@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,34 @@ def render_case(name: str, doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+GPU_CHECK = "gpu_check"
+"""The GPU acceptance run's section (``scripts/gpu_check.py`` writes ``gpu_check.json`` here):
+not a benchmark case, but its figures belong with the others, under the same carry-over rule."""
+
+
+def render_gpu_check(doc: dict[str, Any]) -> str:
+    """The GPU acceptance run's section: device, software, date, then one row per check."""
+    mark = {True: "yes", False: "**no**", None: "measured"}
+    lines = [
+        f"## {GPU_CHECK}",
+        "",
+        "The GPU acceptance run (`make gpu-check`, `scripts/gpu_check.py`): each check in its own "
+        "process, pass/fail or a measurement.",
+        "",
+        f"- **Device:** {doc.get('device', '?')}; torch {doc.get('torch', '?')}, transformers "
+        f"{doc.get('transformers', '?')}",
+        f"- **Date:** {doc.get('date', '?')}; **commit** `{doc.get('commit', '?')}`",
+        f"- **Command:** `{doc.get('command', 'python scripts/gpu_check.py')}`",
+    ]
+    if doc.get("note"):
+        lines.append(f"- **Note:** {doc['note']}")
+    lines += ["", "| check | passed | result | note |", "|---|---|---|---|"]
+    for r in doc.get("results", []):
+        cells = [r["check"], mark[r.get("ok")], r.get("value", ""), r.get("note", "")]
+        lines.append("| " + " | ".join(_cell(str(c)) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _history() -> str:
     if not HISTORY.exists():
         return ""
@@ -135,7 +164,19 @@ def _history() -> str:
 def render(docs: dict[str, dict[str, Any] | str], quick: bool = False) -> str:
     """The whole RESULTS.md text for these cases (name -> its JSON document, or a section's text
     carried over verbatim from the previous file, which names its own machine and date)."""
-    notes = sorted({d["note"] for d in docs.values() if isinstance(d, dict) and d.get("note")})
+    notes = sorted(
+        {
+            d["note"]
+            for n, d in docs.items()
+            if isinstance(d, dict) and d.get("note") and n != GPU_CHECK
+        }
+        | {  # a section carried over keeps its note in the head too
+            m
+            for n, d in docs.items()
+            if isinstance(d, str) and n != GPU_CHECK
+            for m in re.findall(r"^- \*\*Note:\*\* (.*)$", d, flags=re.M)
+        }
+    )
     head = [
         "# Measured results",
         "",
@@ -154,7 +195,10 @@ def render(docs: dict[str, dict[str, Any] | str], quick: bool = False) -> str:
     for n in notes:
         head += [f"**Note:** {n}", ""]
     head += [HOW_TO_READ, "Cases: " + ", ".join(f"[{n}](#{n})" for n in docs) + ".", ""]
-    body = [d if isinstance(d, str) else render_case(n, d) for n, d in docs.items()]
+    body = [
+        d if isinstance(d, str) else render_gpu_check(d) if n == GPU_CHECK else render_case(n, d)
+        for n, d in docs.items()
+    ]
     missing = "\n".join(body) if body else "No case has results yet.\n"
     return "\n".join(head) + "\n" + missing + "\n" + _history()
 
@@ -163,7 +207,8 @@ def load_docs(out_dir: str | Path, cases: list[str], quick: bool) -> dict[str, d
     """The latest JSON of every case in ``cases`` found in ``out_dir`` (quick or full runs)."""
     docs = {}
     for name in cases:
-        p = Path(out_dir) / f"{name}{'_quick' if quick else ''}.json"
+        quick_name = quick and name != GPU_CHECK  # the GPU run's checks are real in --quick too
+        p = Path(out_dir) / f"{name}{'_quick' if quick_name else ''}.json"
         if p.exists():
             docs[name] = json.loads(p.read_text())
     return docs
@@ -191,6 +236,7 @@ def write_results(path: str | Path, out_dir: str | Path, cases: list[str], quick
     section of the existing ``path`` (JSON files are local, not committed, so a run of some cases
     must not drop the others' tables); the case order stays ``cases``'."""
     p = Path(path)
+    cases = [*cases, GPU_CHECK]
     docs = load_docs(out_dir, cases, quick)
     old = case_sections(p.read_text(encoding="utf-8"), cases) if p.exists() and not quick else {}
     merged: dict[str, dict[str, Any] | str] = {

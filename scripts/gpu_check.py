@@ -13,14 +13,17 @@ without CUDA it says so and exits 0 (nothing to check).
 2. **Staging**: a small LM step fed by ``AsyncDeviceLoader`` vs the same step on batches already
    on the device (the ``staging`` benchmark's GPU case; target <= 1.02x).
 3. **Tiny Qwen3-VL on the GPU**, through the launcher (``train_configs/qwen3_vl_tiny_cpu.toml``,
-   fp32): eager SDPA (the reference), ``--compile.enable`` (inductor) and the ``flex`` backend;
-   the losses must agree with the reference, and for SDPA and flex a pack's logits must equal
+   fp32): eager SDPA (the reference), ``--compile.enable`` (inductor) and eager attention;
+   the losses must agree with the reference, and for SDPA a pack's logits must equal
    its samples run alone (``packed == unpacked``: attention stays within each sample).
-4. **Patch embedding**: transformers' Conv3d vs the equal matmul (``[model] patch_embed``) at the
+4. **Text job**: the llama3 demo (``parquet_prefetch``, torchtitan's whole-step CUDA graph on)
+   20 steps with a checkpoint at 10, then resumed from it: steps 11-20 must give equal losses.
+5. **Patch embedding**: transformers' Conv3d vs the equal matmul (``[model] patch_embed``) at the
    2B vision tower's size in bf16, forward + backward; the faster is the one to default to.
-5. **A mid-size flavor** (``--flavor``, default 2B; random init, one GPU, bf16, 4096-token packs
+6. **A mid-size flavor** (``--flavor``, default 2B; random init, one GPU, bf16, 4096-token packs
    from the shipped sample set, staging with pixels normalised on the device): steady-state step
-   time, MFU, the data-wait share of the step and peak memory, eager and compiled. The flavor's
+   time, MFU, the data-wait share of the step, peak memory and the frames dynamo compiled during
+   the timed steps, eager and compiled. The flavor's
    image/video token ids are set to the embedded processor's (its vocabulary is small and fits).
 """
 
@@ -40,7 +43,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "train_configs" / "qwen3_vl_tiny_cpu.toml"
+TEXT = REPO / "train_configs" / "llama3_debug_cpu.toml"
 OUT_DIR = REPO / "outputs" / "gpu_check"
+BENCH_RESULTS = REPO / "benchmarks" / "results"
+"""Also written there as gpu_check.json: ``python -m benchmarks --render-only`` puts the rows in
+benchmarks/RESULTS.md."""
 
 
 @dataclass
@@ -56,7 +63,9 @@ class Result:
 def _env(work: Path) -> dict[str, str]:
     return dict(
         os.environ,
-        PYTHONPATH=str(REPO),
+        # the checkout first, then whatever the caller put on the path (wheels carried to a
+        # machine without a package index: ``PYTHONPATH=/tmp/site make gpu-check``)
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
         PYTHONUNBUFFERED="1",
         TORCHTITAN_EXT_CACHE=str(work / "home"),
         TOKENIZERS_PARALLELISM="false",
@@ -64,13 +73,21 @@ def _env(work: Path) -> dict[str, str]:
 
 
 def _run(cmd: list[str], work: Path, timeout: int) -> subprocess.CompletedProcess[str]:
+    """Run one check's process; its whole output is also kept under ``work/logs/`` (numbered
+    in the order run), since a table row holds only the last line of a failure."""
     try:
-        return subprocess.run(
+        p = subprocess.run(
             cmd, cwd=REPO, env=_env(work), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout} s")
+        p = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {timeout} s")
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    n = len(list(logs.iterdir()))
+    tag = re.sub(r"\W+", "_", " ".join(Path(c).name for c in cmd[1:6]))[:60]
+    (logs / f"{n:02d}_{tag}.log").write_text(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+    return p
 
 
 def _tail(p: subprocess.CompletedProcess[str], n: int = 300) -> str:
@@ -132,8 +149,7 @@ def check_tiny_vl(work: Path, quick: bool) -> list[Result]:
     variants = {
         "eager sdpa": [],
         "compiled sdpa (inductor)": ["--compile.enable", "--compile.backend", "inductor"],
-        "eager flex": ["--model.attn_backend", "flex"],
-        "compiled flex (inductor)": ["--model.attn_backend", "flex", "--compile.enable"],
+        "eager attention (reference)": ["--model.attn_backend", "eager"],
     }
     out: list[Result] = []
     ref: dict[int, dict[str, float]] | None = None
@@ -158,7 +174,7 @@ def check_tiny_vl(work: Path, quick: bool) -> list[Result]:
                 "steady-state tps: median of the second half of the steps",
             )
         )
-    for backend in ("sdpa", "flex"):
+    for backend in ("sdpa",):
         res = work / f"pack_{backend}.json"
         cmd = [sys.executable, "-m", "tests.support.qwen3_vl_probe", "pack", str(res)]
         cmd += ["--config-file", str(TINY), "--model.attn_backend", backend]
@@ -179,6 +195,39 @@ def check_tiny_vl(work: Path, quick: bool) -> list[Result]:
             )
         )
     return out
+
+
+def check_text(work: Path, quick: bool) -> list[Result]:
+    """The text demo (llama3 debugmodel, ``parquet_prefetch``) on the GPU: 20 steps with a
+    checkpoint at 10, then a second job resumed from that checkpoint; steps 11-20 must give the
+    same losses (torchtitan's CUDA graph of the step and our loader's state, on CUDA)."""
+    steps, at = 20, 10
+    runs = {}
+    for name in ("straight", "resumed"):
+        dump = work / f"text_{name}"
+        if name == "resumed":
+            (dump / "checkpoint").mkdir(parents=True)
+            src = work / "text_straight" / "checkpoint" / f"step-{at}"
+            subprocess.run(["cp", "-r", str(src), str(dump / "checkpoint")], check=True)
+        cmd = [sys.executable, "-m", "torchtitan_ext.train", "--config-file", str(TEXT)]
+        cmd += ["--training.steps", str(steps), "--checkpoint.interval", str(at)]
+        p = _run(cmd + ["--dump_folder", str(dump)], work, timeout=600)
+        runs[name] = (p, _steps(p.stdout + p.stderr))
+        want = steps if name == "straight" else steps - at
+        if p.returncode != 0 or len(runs[name][1]) != want:
+            return [Result(f"text job on the GPU ({name})", False, _tail(p))]
+    a, b = runs["straight"][1], runs["resumed"][1]
+    diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in b)
+    tps = statistics.median(a[s].get("tps", float("nan")) for s in range(at, steps + 1))
+    return [
+        Result(
+            "text job on the GPU: resumed == straight",
+            diff <= 1e-4,
+            f"max |loss diff| steps {at + 1}-{steps}: {diff:.1e}; loss {a[1]['loss']:.3f} -> "
+            f"{a[steps]['loss']:.3f}; tps {tps:,.0f}",
+            "losses as the step line prints them (5 decimals)",
+        )
+    ]
 
 
 def check_patch_embed(work: Path, quick: bool) -> list[Result]:
@@ -216,7 +265,8 @@ def check_midsize(work: Path, quick: bool, flavor: str) -> list[Result]:
                 f"{r['step_ms']:.0f} ms/step, MFU {r['mfu']:.1f} %, data wait "
                 f"{r['wait_share']:.1f} %, peak {r['peak_gib']:.1f} GiB",
                 f"{r['tokens']} tokens/step, {r['steps']} timed steps after {r['warmup']}; "
-                f"first step {r['first_step_s']:.1f} s",
+                f"first step {r['first_step_s']:.1f} s; frames compiled {r['frames_total']}, "
+                f"{r['frames_after_warmup']} of them in the timed steps",
             )
         )
     return out
@@ -226,6 +276,7 @@ CHECKS = {
     "tests": check_cuda_tests,
     "staging": check_staging,
     "tiny": check_tiny_vl,
+    "text": check_text,
     "patch_embed": check_patch_embed,
     "midsize": check_midsize,
 }
@@ -294,7 +345,11 @@ def _worker_midsize(res: str, flavor: str, quick: bool, argv: list[str]) -> None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    from torchtitan_ext.models.qwen3_vl.compile import compile_counts
+
+    frames = []  # dynamo's frames compiled so far, before each step (0 throughout when eager)
     for _ in range(warmup + steps):
+        frames.append(compile_counts()["frames"])
         mp.data_loading_times.clear()
         mp.ntokens_since_last_log = 0
         trainer.step += 1
@@ -317,6 +372,9 @@ def _worker_midsize(res: str, flavor: str, quick: bool, argv: list[str]) -> None
         "tokens": int(statistics.median(tokens[timed])),
         "steps": steps,
         "warmup": warmup,
+        # frames compiled by the timed steps: a compiled run that still recompiles shows it here
+        "frames_after_warmup": compile_counts()["frames"] - frames[warmup],
+        "frames_total": compile_counts()["frames"],
     }
     trainer.close()
     if torch.distributed.is_initialized():
@@ -338,13 +396,16 @@ def _table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="GPU acceptance run: CUDA tests, staging, tiny Qwen3-VL (compile, sdpa, "
-        "flex), patch embedding, a mid-size flavor's step time / MFU / data wait / memory."
+        description="GPU acceptance run: CUDA tests, staging, tiny Qwen3-VL (eager, compiled, "
+        "attention backends), patch embedding, a mid-size flavor's step time / MFU / data wait / memory."
     )
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     ap.add_argument("--flavor", default="2B", help="mid-size flavor to time (default 2B)")
-    ap.add_argument("--only", default="", help="comma-separated subset: tests,staging,tiny,"
-                    "patch_embed,midsize")  # fmt: skip
+    ap.add_argument("--note", default="", help="a line for the RESULTS.md section (the host, ...)")
+    ap.add_argument("--out-dir", type=Path, default=OUT_DIR,
+                    help=f"where results.json and the work folder go (default {OUT_DIR})")  # fmt: skip
+    ap.add_argument("--only", default="", help="comma-separated subset, run in the order "
+                    "given: tests,staging,tiny,text,patch_embed,midsize")  # fmt: skip
     ns = ap.parse_args(argv)
     only = [c for c in ns.only.split(",") if c] or list(CHECKS)
     from torchtitan_ext.models.qwen3_vl.flavors import FLAVORS
@@ -361,9 +422,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"gpu-check on {torch.cuda.get_device_name(0)} (torch {torch.__version__})", flush=True)
     checks = {**CHECKS, "midsize": lambda w, q: check_midsize(w, q, ns.flavor)}
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=OUT_DIR))
+    ns.out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=ns.out_dir))
     results: list[Result] = []
+    import transformers
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                            capture_output=True).stdout.strip() or "?"  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           text=True, capture_output=True).stdout.strip()  # fmt: skip
+    head = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+            "commit": commit + (" + uncommitted changes" if dirty else ""),
+            "command": "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:]),
+            "note": ns.note}  # fmt: skip
     for name in only:
         t0 = time.perf_counter()
         print(f"==> {name} ...", flush=True)
@@ -373,11 +445,13 @@ def main(argv: list[str] | None = None) -> int:
             got = [Result(name, False, f"{type(e).__name__}: {e}")]
         results.extend(got)
         print(_table(got), f"\n    ({time.perf_counter() - t0:.0f} s)", flush=True)
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in results]}  # fmt: skip
-    (OUT_DIR / "results.json").write_text(json.dumps(doc, indent=2))
+        # written after every check: a run stopped part-way keeps the rows it has
+        doc = json.dumps({**head, "results": [asdict(r) for r in results]}, indent=2)
+        (ns.out_dir / "results.json").write_text(doc)
+        BENCH_RESULTS.mkdir(parents=True, exist_ok=True)  # its RESULTS.md section's source
+        (BENCH_RESULTS / "gpu_check.json").write_text(doc)
     print("\n" + _table(results))
-    print(f"\n(rows as JSON: {OUT_DIR / 'results.json'})")
+    print(f"\n(rows as JSON: {ns.out_dir / 'results.json'})")
     return 1 if any(r.ok is False for r in results) else 0
 
 

@@ -189,6 +189,35 @@ def test_rerunning_some_cases_keeps_the_other_sections_verbatim(tmp_path):
     assert "[alpha](#alpha), [beta](#beta)." in text and "gamma" not in text
 
 
+def test_the_gpu_runs_rows_get_a_section_that_later_renders_keep(tmp_path):
+    """scripts/gpu_check.py writes gpu_check.json beside the cases' JSON: its rows become a
+    section naming the device and software, carried over when only the cases are re-run (CI
+    machines have no GPU), and the notes of carried sections stay in the head."""
+    from benchmarks.report import write_results
+
+    res, out = tmp_path / "RESULTS.md", tmp_path / "json"
+    out.mkdir()
+    (out / "alpha.json").write_text(json.dumps(_doc([Row("ours", 1.0, "ms")], note="quiet host")))
+    gpu = {"device": "NVIDIA H200", "torch": "2.13.0", "transformers": "5.23.0",
+           "date": "2026-11-26", "commit": "abc", "results": [
+               {"check": "tiny compiled", "ok": True, "value": "max rel diff 2e-06", "note": ""},
+               {"check": "VL staged / resident", "ok": False, "value": "1.039x", "note": ""},
+               {"check": "2B eager", "ok": None, "value": "370 ms/step", "note": ""}]}  # fmt: skip
+    (out / "gpu_check.json").write_text(json.dumps(gpu))
+    write_results(res, out, ["alpha"], quick=False)
+    text = res.read_text()
+    section = text[text.index("## gpu_check") : text.index("## History")]
+    assert "NVIDIA H200; torch 2.13.0, transformers 5.23.0" in section
+    assert "| tiny compiled | yes |" in section and "| VL staged / resident | **no** |" in section
+    assert "| 2B eager | measured | 370 ms/step |" in section
+    (out / "gpu_check.json").unlink()
+    (out / "alpha.json").unlink()
+    write_results(res, out, ["alpha"], quick=False)
+    again = res.read_text()
+    assert section in again  # carried over verbatim
+    assert "**Note:** quiet host" in again[: again.index("## alpha")]  # the head keeps it
+
+
 def test_results_generator_quick_on_a_tiny_subset(tmp_path, capsys):
     out, res = tmp_path / "json", tmp_path / "RESULTS.md"
     argv = ["--results", "--quick", "--repeats", "1", "--warmup", "0", "--out-dir", str(out),

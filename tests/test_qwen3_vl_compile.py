@@ -172,6 +172,17 @@ def test_matmul_patch_embed_keeps_the_checkpoint_layout(tmp_path):
     assert mm.model.visual.patch_embed.proj.weight.shape == (32, 3, 2, 16, 16)
 
 
+@pytest.mark.parametrize("cuda, want", [(False, "conv"), (True, "matmul")])
+def test_auto_patch_embed_is_the_matmul_where_cuda_is(monkeypatch, cuda, want):
+    """The default: on an H200 the matmul took 0.54 ms where the conv took 16 ms (2B tower,
+    bf16, fwd+bwd); on a CPU the conv keeps transformers' own arithmetic (exports equal HF)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    model = tiny()
+    assert model.config.patch_embed == "auto"
+    embed = model.model.visual.patch_embed
+    assert ("forward" in vars(embed)) is (want == "matmul")  # the matmul is an instance forward
+
+
 def test_bad_patch_embed_is_one_config_error(tmp_path):
     from tests.test_qwen3_vl_model import LOADER, job, own_checks
     from torchtitan_ext.toml_config import ConfigError

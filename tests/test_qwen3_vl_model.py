@@ -131,6 +131,23 @@ def test_unknown_flavor_is_a_config_error(tmp_path, env):
         load_config(job(tmp_path, flavor="tiny"))
 
 
+def test_flex_attention_is_refused_at_config_load(tmp_path, env):
+    """transformers' Qwen3-VL refuses ``flex_attention`` when the model is built: the key is
+    refused when the config loads, not with a traceback after the rendezvous."""
+    with pytest.raises(ConfigError, match=r"attn_backend 'flex': expected one of \['eager', "):
+        load_config(job(tmp_path, LOADER), ["--model.attn_backend", "flex"])
+
+
+def test_vl_jobs_turn_off_the_whole_step_cuda_graph(tmp_path, env):
+    """torchtitan 0.3.0 replays forward+backward as one CUDA graph by default, and the graph
+    refuses a batch of other shapes: a VL pack's patch count changes every step (on an H200
+    the second step stopped the job). Text packs keep one shape, so their default stays."""
+    assert load_config(job(tmp_path, LOADER)).training.disable_cuda_graphs is True
+    text = tmp_path / "text.toml"
+    text.write_text('[model]\nmodule = "llama3"\nflavor = "debugmodel"\n')
+    assert load_config(text).training.disable_cuda_graphs is False
+
+
 # -------------------------------------------------------------------------------- batch format
 def test_qwen3_vl_format_is_the_hf_tensors_with_shifted_labels(env):
     vl = env["vl"]

@@ -180,6 +180,12 @@ class ExtTrainer(Trainer):
             # torchtitan's plain Validator becomes ours; a model's own (e.g. Flux's) is kept
             if type(self.validator) is Validator.Config:
                 self.validator = _as_ours(MixValidator.Config, self.validator, "validator")
+            if getattr(self.dataloader, "batch_shapes_vary", False):
+                # torchtitan 0.3.0 replays forward+backward as one CUDA graph unless told not
+                # to (trainer.py:613 ``if not config.training.disable_cuda_graphs``), and the
+                # graph refuses a batch whose shapes differ from the first (cudagraph.py:278):
+                # a VL loader's second step would stop the job.
+                self.training.disable_cuda_graphs = True
 
     def __init__(self, config: Config):
         super().__init__(config)

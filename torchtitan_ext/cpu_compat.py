@@ -17,8 +17,8 @@ What each shim does (in the order the failures appear on a CPU box):
    — "cuda" on a CPU box, so ``trainer.py:301`` ``device_module.set_device`` fails with
    ``torch._C has no _cuda_setDevice``. We set ``device_type = "cpu"`` and a small CPU
    ``device_module`` (set_device, device_count, memory stats ...) before anyone copies them.
-3. ``torchtitan/distributed/utils.py:595`` calls ``torch.distributed.set_timeout``, which
-   torch 2.13 does not have; ``distributed_c10d._set_pg_timeout`` does the same job.
+3. (``torch.distributed.set_timeout``, missing from torch 2.13, is fixed on every device, GPU
+   included: :mod:`torchtitan_ext.torch_compat`, which :func:`apply` runs first.)
 4. ``FlexAttention`` (``models/common/attention.py:243``) has no backward on CPU: the model's
    inner attention configs are swapped for ``ScaledDotProductAttention.Config()`` (plain causal
    attention; per-document masking needs Flex/varlen, i.e. a GPU — RoPE still uses our
@@ -198,20 +198,6 @@ def _patch_device() -> None:
                 mod.device_type = "cpu"
             if hasattr(mod, "device_module"):
                 mod.device_module = tt_utils.device_module
-
-
-# --------------------------------------------------------------------------------- 3. set_timeout
-def _patch_set_timeout() -> None:
-    import torch.distributed as dist
-
-    if hasattr(dist, "set_timeout"):
-        return
-    from torch.distributed import distributed_c10d
-
-    def set_timeout(timeout: Any, group: Any = None) -> None:
-        distributed_c10d._set_pg_timeout(timeout, group)
-
-    dist.set_timeout = set_timeout  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------ 5. gloo SUM
@@ -418,15 +404,18 @@ def _drop_nccl_env() -> None:
 
 
 def apply() -> bool:
-    """Install every import-time shim if CUDA is absent. Idempotent. Returns whether applied."""
+    """Install every import-time shim if CUDA is absent. Idempotent. Returns whether applied.
+    :mod:`torchtitan_ext.torch_compat`'s fixes are installed first, on every device."""
     global _applied
+    from torchtitan_ext import torch_compat
+
+    torch_compat.apply()
     if not needed():
         return False
     if _applied:
         return True
     _stub_triton_kernels()
     _patch_device()
-    _patch_set_timeout()
     _patch_fsdp_sum_reduction()
     _import_qwen3_5()
     _patch_peak_flops()

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from torchtitan.components.dataloader import BaseDataLoader
 
@@ -60,6 +60,10 @@ class CachedVLDataLoader(BaseDataLoader):
         batch, workers), ``PrefetchOptions`` (the background hand-off) and ``MixOptions``
         (``[[dataloader.sources]]``, a mixture: ``vl/mix_reader.py``). Bases are listed last
         to first so the fields keep the order mixture, source, order, batch, workers, prefetch."""
+
+        batch_shapes_vary: ClassVar[bool] = True
+        """A pack's ``pixel_values`` rows (its patch count) change from step to step, so the
+        trainer turns torchtitan's whole-step CUDA graph off (``config.py``)."""
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ def assemble_pack(
     the four position rows per sample (a pure function of its tokens and grids). The one
     assembly of a packed cache's pack and of a planned pack of a sample store (``vl/plan.py``),
     so the two are bitwise equal for the same samples in the same order."""
-    from torchtitan_ext.vl.processor import position_rows
+    from torchtitan_ext.vl.positions import pack_position_rows
 
     tok = tokens.astype(np.int64)
     mask = label_mask.astype(bool)
@@ -36,18 +36,11 @@ def assemble_pack(
     ids[:n] = tok
     labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
     labels[:n] = np.where(mask, tok, IGNORE_INDEX)
+    lens = sample_lens.astype(np.int64)
+    labels[(np.cumsum(lens) - lens)[lens > 0]] = IGNORE_INDEX  # no sample's first token
     pos = np.zeros((4, L), dtype=np.int64)
-    img_pad = special_tokens["image_pad_id"]
-    at, gi = 0, 0
-    for ln in sample_lens.tolist():
-        seg = tok[at : at + ln]
-        n_img = int(
-            np.count_nonzero(np.diff(np.concatenate(([0], (seg == img_pad).view(np.int8)))) == 1)
-        )
-        labels[at] = IGNORE_INDEX
-        pos[:, at : at + ln] = position_rows(seg, grid[gi : gi + n_img], img_pad, merge_size)
-        at += ln
-        gi += n_img
+    # the whole pack at once: per sample exactly position_rows of that sample alone
+    pos[:, :n] = pack_position_rows(tok, lens, grid, special_tokens["image_pad_id"], merge_size)
     return {
         "input_ids": torch.from_numpy(ids),
         "labels": torch.from_numpy(labels),

@@ -35,18 +35,20 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan_ext.models.qwen3_vl import patch_embed
 from torchtitan_ext.models.qwen3_vl.flavors import build_hf_config, is_moe
 
-ATTN_BACKENDS = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
-"""``[model] attn_backend`` -> transformers' attention implementation. "sdpa" (default) is the
-one tested here (CPU); "flex" builds per-sample BlockMasks from the position ids (GPU, not run
-here); "eager" is the reference."""
+ATTN_BACKENDS = {"sdpa": "sdpa", "eager": "eager"}
+"""``[model] attn_backend`` -> transformers' attention implementation. "sdpa" (default) keeps
+each sample of a pack to itself through the position ids (``packed == unpacked`` holds on CPU and
+on an H200); "eager" is the reference. No "flex": transformers 5.23's Qwen3-VL refuses
+``flex_attention`` when the model is built (``_flex_attn_can_dispatch``)."""
 
 
 COMPONENTS = ("vision", "merger", "language_model", "embeddings", "lm_head")
 """Names ``[model] freeze`` accepts (which parameters each covers: ``component_of``)."""
 
-PATCH_EMBEDS = ("conv", "matmul")
-"""``[model] patch_embed``: transformers' Conv3d, or the same weights as one matmul
-(patch_embed.py)."""
+PATCH_EMBEDS = ("auto", "conv", "matmul")
+"""``[model] patch_embed``: transformers' Conv3d, the same weights as one matmul
+(patch_embed.py), or ``"auto"`` (the default): the matmul where CUDA is present, the conv
+elsewhere (patch_embed.resolve)."""
 
 
 def hf_model_class(flavor_cfg: dict[str, Any]) -> type:
@@ -83,7 +85,7 @@ class Qwen3VLModel(BaseModel):
         freeze: list[str] = field(default_factory=list)
         """Components kept fixed (``[model] freeze``): keys of :data:`COMPONENTS`."""
 
-        patch_embed: str = "conv"
+        patch_embed: str = "auto"
         """``[model] patch_embed``: a key of :data:`PATCH_EMBEDS`."""
 
         def option_problem(self) -> str | None:

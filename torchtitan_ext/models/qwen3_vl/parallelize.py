@@ -33,6 +33,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.models.qwen3_vl import compile as qwen3_vl_compile
+from torchtitan_ext.models.qwen3_vl import patch_embed
 from torchtitan_ext.models.qwen3_vl.freeze import log_counts
 from torchtitan_ext.models.qwen3_vl.model import Qwen3VLModel
 
@@ -55,8 +56,9 @@ def parallelize_qwen3_vl(
             f"{parallelism.spmd_backend!r}"
         )
     log_counts(model, list(model.config.freeze), tied=model.tie_word_embeddings)
-    if model.config.patch_embed != "conv":
-        logger.info(f"qwen3_vl: vision patch embedding as {model.config.patch_embed!r}")
+    kind = patch_embed.resolve(model.config.patch_embed)
+    if kind != "conv":
+        logger.info(f"qwen3_vl: vision patch embedding as {kind!r} ([model] patch_embed)")
     block_lists = [model.decoder_layers, model.vision_blocks]
     if ac_config is not None:
         policy = ac_config.build(dump_folder=dump_folder)
