@@ -32,8 +32,11 @@ Modes
                                               document now (its length - ``remaining``), or
                                               the largest that fits and then, by rule 2, the
                                               shortest (its length - the gap); a tie: the
-                                              latter (equal lengths: the latest added)
+                                              latter
   ====  ====================================  ================================================
+
+  Among documents of equal length, one taken because it fits is the latest added; a cropped
+  one (the shortest, the next-longer) is the earliest added.
 
   Every row starts with BOS and is 100 % full. Invariant: the only tokens lost are the part of
   an over-long document beyond its row (rule 1: the first-fit-decreasing bound's unavoidable
