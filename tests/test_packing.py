@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchtitan_ext.text.packing import (
+    _FINISH_CANDIDATES,
     IGNORE_INDEX,
     BestFitPacker,
     ConcatSplitPacker,
@@ -86,6 +87,23 @@ def test_best_fit_rows_bos_aligned_full_and_positions(mode):
         assert np.array_equal(np.sort(out), np.sort(src))
 
 
+def _reference_finish(buf, fits, rem, R):
+    """The documented choice when something fits: the largest, unless no document would fit
+    after it; then an exact finish among the next-largest, else the cheaper crop."""
+    i = fits[-1]
+    gap = rem - buf[i][0]
+    others = [x[0] for j, x in enumerate(buf) if j != i]
+    if gap == 0 or not others or gap >= min(others):
+        return i
+    for k in fits[::-1][1 : 1 + _FINISH_CANDIDATES]:
+        if any(x[0] == rem - buf[k][0] for j, x in enumerate(buf) if j != k):
+            return k
+    longer = [j for j, x in enumerate(buf) if x[0] > rem]
+    if longer and buf[longer[0]][0] <= R and buf[longer[0]][0] - rem < min(others) - gap:
+        return longer[0]
+    return i
+
+
 def _reference_best_fit(docs, R, buffer_docs):
     """Straightforward linear-scan model of the documented rule, for differential testing."""
     buf: list[tuple[int, int, list[int]]] = []
@@ -102,7 +120,7 @@ def _reference_best_fit(docs, R, buffer_docs):
                     pick = len(buf) - 1
                 else:
                     fits = [i for i, x in enumerate(buf) if x[0] <= rem]
-                    pick = fits[-1] if fits else 0
+                    pick = _reference_finish(buf, fits, rem, R) if fits else 0
                 n, s, toks = buf.pop(pick)
                 row += toks[:rem]
             rows.append(row)

@@ -57,7 +57,7 @@ class PackOptions:
     """Options of :class:`PackedBatches` (a loader Config inherits them; TOML ``[dataloader]``)."""
 
     packing: Literal["best_fit", "zero_discard", "concat_split"] = "best_fit"
-    """``"best_fit"`` (BOS-aligned, crop the shortest), ``"zero_discard"`` (cropped tails
+    """``"best_fit"`` (BOS-aligned, the crop that loses least), ``"zero_discard"`` (cropped tails
     re-enter with their own BOS) or ``"concat_split"`` (plain concatenation)."""
 
     buffer_docs: int = 1000
