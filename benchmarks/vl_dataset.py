@@ -261,8 +261,8 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
 
     out = _cold_rows(args, path, info, coll("hf", "device"))  # before any map pins the pages
 
-    def warm_iter() -> Iterator[dict]:
-        ds = CachedVLDataset(path, 0, 1, seed=0, shuffle=False)
+    def warm_iter(copy_pixels: bool = True) -> Iterator[dict]:
+        ds = CachedVLDataset(path, 0, 1, seed=0, shuffle=False, copy_pixels=copy_pixels)
         it = iter(ds)
         for _ in range(len(ds.cache)):  # every pack once through this dataset's maps
             int(next(it)["pixel_u8"][:, 0].sum())
@@ -293,14 +293,20 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
 
     rows = pq.read_table(next(data.glob("*.parquet"))).to_pylist()
     per_pack = _layout_step(path, work)
+
+    def cached(fmt: str, on: str, *a: Any, **kw: Any) -> Callable[[], float]:
+        """Steps over the cache as the loader reads it: pixel views where the collate copies."""
+        c = coll(fmt, on)
+        return _stepper(warm_iter(not c.copies_pixels), c, *a, **kw)
+
     fns: dict[str, Callable[[], Any]] = {
-        "tt_u8": _stepper(warm_iter(), coll("torchtitan", "device")),
+        "tt_u8": cached("torchtitan", "device"),
         "plan_tt_u8": _stepper(planned_iter(), coll("torchtitan", "device")),
         "plan_hf_u8": _stepper(planned_iter(), coll("hf", "device")),
-        "hf_u8": _stepper(warm_iter(), coll("hf", "device")),
-        "hf_u8_copy": _stepper(warm_iter(), coll("hf", "device"), materialise=True),
-        "hf_f32": _stepper(warm_iter(), coll("hf", "collate")),
-        "tt_u8_threads": _stepper(warm_iter(), coll("torchtitan", "device"), threads0),
+        "hf_u8": cached("hf", "device"),
+        "hf_u8_copy": cached("hf", "device", materialise=True),
+        "hf_f32": cached("hf", "collate"),
+        "tt_u8_threads": cached("torchtitan", "device", threads0),
         "online_u8": _stepper(online_iter(), coll("hf", "device")),
         "online_f32": _stepper(online_iter(), coll("hf", "collate")),
         "hf_online": _hf_online_stepper(load_processor(None), rows, info["images"]),
@@ -381,12 +387,14 @@ def _layout_step(path: Path, work: Path) -> Callable[[], None]:
     return step
 
 
-def _first_touch(path: Path, coll: Callable, info: dict) -> Row:
+def _first_touch(path: Path, coll: Any, info: dict) -> Row:
     """Steps of a fresh dataset (fresh memory maps), page cache warm: each pack's pixel pages
     are faulted into the process on first use (once per epoch per process)."""
     from torchtitan_ext.vl.dataset import CachedVLDataset
 
-    ds = CachedVLDataset(path, 0, 1, seed=0, shuffle=False, infinite=False)
+    ds = CachedVLDataset(
+        path, 0, 1, seed=0, shuffle=False, infinite=False, copy_pixels=not coll.copies_pixels
+    )  # as the loader reads it; fmt: skip
     step = _stepper(iter(ds), coll)
     xs = []
     for _ in range(info["full_packs"]):

@@ -407,6 +407,15 @@ class PackCollator:
         self.special_tokens = dict(special_tokens)
         self.pad_id = torchtitan_special_tokens(special_tokens)["pad_id"]
 
+    @property
+    def copies_pixels(self) -> bool:
+        """True when no batch holds a pack's own ``pixel_u8`` tensor: the torchtitan layout
+        copies it into per-image padding, and ``normalize_on="collate"`` makes new float pixels.
+        Then the packs may view the cache's mapping (``CachedVLDataset(copy_pixels=False)``); an
+        ``"hf"`` / ``"qwen3_vl"`` batch normalised on the device hands the pack's tensor itself
+        to the staging copy, so there the pack keeps its private copy."""
+        return self.batch_format == "torchtitan" or self.normalize_on == "collate"
+
     def __call__(self, packs: Sequence[Mapping[str, torch.Tensor]]) -> Any:
         if self.batch_format == "qwen3_vl":
             return collate_qwen3_vl(

@@ -187,6 +187,12 @@ class _EpochOrders:
         return self._perm[position]
 
 
+def fetch_pack(cache: PackSource, index: int, copy_pixels: bool = True) -> dict:
+    """Pack ``index`` of ``cache`` as a new dict; ``copy_pixels=False`` asks the cache for
+    pixels viewing its mapping (only then is the keyword passed: any ``pack(i)`` source works)."""
+    return dict(cache.pack(index) if copy_pixels else cache.pack(index, copy_pixels=False))
+
+
 # --------------------------------------------------------------------------------------------
 # The dataset
 # --------------------------------------------------------------------------------------------
@@ -214,6 +220,7 @@ class CachedVLDataset(IterableDataset):
         shuffle: bool = True,
         remainder: Remainder = "drop",
         block_size: int = 1,
+        copy_pixels: bool = True,
     ) -> None:
         """
         Args:
@@ -228,6 +235,9 @@ class CachedVLDataset(IterableDataset):
                 ``dp_world_size`` is made equal for all ranks (module docstring).
             block_size: packs per worker block; set it to the DataLoader batch size so that the
                 order with workers equals the order without.
+            copy_pixels: ``False`` yields ``pixel_u8`` as a view of the cache's mapping, for a
+                collate that copies or normalises the pixels into a new tensor anyway
+                (``PackCollator.copies_pixels``): one 20 MB copy fewer per 8k-token pack.
         """
         super().__init__()
         if not 0 <= dp_rank < dp_world_size:
@@ -255,6 +265,7 @@ class CachedVLDataset(IterableDataset):
         self.infinite, self.seed, self.shuffle = infinite, int(seed), shuffle
         self.remainder: Remainder = remainder
         self.block_size = block_size
+        self.copy_pixels = copy_pixels
         # Anchor = global state where the current/next iteration starts; `_yielded` = packs this
         # process (worker) has yielded since the anchor.
         self._epoch = 0
@@ -311,7 +322,7 @@ class CachedVLDataset(IterableDataset):
             if limit is not None and k >= limit:
                 break
             _, index = self.pack_index_of(k)
-            item = dict(cache.pack(index))
+            item = fetch_pack(cache, index, self.copy_pixels)
             item["pack_index"] = torch.tensor(index, dtype=torch.int64)
             self._yielded += 1
             yield item

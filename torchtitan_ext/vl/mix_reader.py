@@ -220,6 +220,7 @@ class MixVLReader(VLReader):
             rank=dp_rank,
             world=dp_world_size,
             remainder=order.remainder,
+            copy_pixels=not self.collate.copies_pixels,
         )
         self.pipeline = self._mix_chain(packs, batch, workers, prefetch)
         self._wait_s = self._wait_last_s = 0.0

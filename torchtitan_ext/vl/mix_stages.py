@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan_ext.pipeline.stage import Stage, State
-from torchtitan_ext.vl.dataset import Remainder
+from torchtitan_ext.vl.dataset import Remainder, fetch_pack
 from torchtitan_ext.vl.mix_position import Item, MixPos, Walker, rank_items
 from torchtitan_ext.vl.options import WorkerOptions
 from torchtitan_ext.vl.stages import SOURCE_CACHE, WorkerBatches, batch_arrays
@@ -96,8 +96,10 @@ class MixPacks(Stage[dict]):
         rank: int,
         world: int,
         remainder: Remainder,
+        copy_pixels: bool = True,
     ) -> None:
         self.caches, self.walker, self.names = list(caches), walker, list(names)
+        self.copy_pixels = copy_pixels  # CachedVLDataset's: False when the collate copies anyway
         self.rank, self.world, self.remainder = rank, world, remainder
         self._start = MixPos.start(len(self.names))
         self.reset(None)
@@ -109,7 +111,7 @@ class MixPacks(Stage[dict]):
 
     def next(self) -> dict:
         item, after = next(self._items())  # StopIteration: the finite pass is over
-        pack = dict(self.caches[item.source].pack(item.index))
+        pack = fetch_pack(self.caches[item.source], item.index, self.copy_pixels)
         pack["pack_index"] = torch.tensor(item.index, dtype=torch.int64)
         self._pos = after
         self.count(item.source, pack_counts(pack))

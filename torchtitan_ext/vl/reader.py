@@ -170,6 +170,8 @@ class VLReader:
         self.collate = PackCollator(
             batch.batch_format, self.special_tokens, self.pixel_norm, batch.normalize_on
         )
+        if packs.source == "cache":  # no private pixel copy where the collate makes its own
+            self.dataset.copy_pixels = not self.collate.copies_pixels
         self.pipeline = self._chain(batch, workers, prefetch)
         self._wait_s = self._wait_last_s = 0.0
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchtitan_ext.pipeline.stage import Stage, State
-from torchtitan_ext.vl.dataset import CachedVLDataset, position, rounds_left
+from torchtitan_ext.vl.dataset import CachedVLDataset, fetch_pack, position, rounds_left
 from torchtitan_ext.vl.options import WorkerOptions
 
 SOURCE_CACHE, SOURCE_ONLINE = 0, 1
@@ -94,7 +94,7 @@ class CachePacks(Stage[dict]):
         ):
             raise StopIteration
         _, index = ds.pack_index_of(self._k)
-        item = dict(ds.cache.pack(index))
+        item = fetch_pack(ds.cache, index, ds.copy_pixels)
         item["pack_index"] = torch.tensor(index, dtype=torch.int64)
         self._k += 1
         return item
