@@ -30,7 +30,8 @@ else the count of the stream's packets (no decoding). A file that then decodes f
 a sampled index needs is ``truncated_video`` (HF would silently return fewer frames).
 
 Bad input raises :class:`~torchtitan_ext.vl.errors.SampleError` naming the source, with reason
-``missing_video``, ``corrupt_video``, ``truncated_video``, ``empty_video``, ``too_few_frames``
+``missing_video``, ``corrupt_video``, ``truncated_video``, ``no_video_stream``, ``empty_video``,
+``too_few_frames``
 (HF refuses fewer than ``temporal_patch_size`` sampled frames), ``bad_frames``,
 ``bad_aspect_ratio`` or ``decode_error``.
 """
@@ -273,37 +274,64 @@ def read_video(
     """Decode a video file (path, bytes, or ``{"bytes", "path"}`` cell) and keep the sampled
     frames: (uint8 [n, H, W, 3], indices, video fps, total frames). A relative path is read
     relative to ``root``. Every failure is a :class:`SampleError` naming the source."""
-    import av
-
     data, name = _source_bytes(src, root)
     with _av_step(name):
-        with av.open(io.BytesIO(data), mode="r") as c:
-            if not c.streams.video:
-                raise SampleError("corrupt_video", f"{name}: no video stream")
-            s = c.streams.video[0]
-            rate = s.average_rate or s.guessed_rate
-            total = int(s.frames) or sum(1 for p in c.demux(s) if p.size)
-        if not rate:
-            raise SampleError("corrupt_video", f"{name}: no frame rate")
-        if total == 0:
-            raise SampleError("empty_video", f"{name}: no frames")
-        fps = float(rate)
+        fps, total = _probe(data, name)
         indices = sample_indices(total, fps, o)
-        wanted = {int(i): k for k, i in enumerate(indices)}
-        kept: list[np.ndarray | None] = [None] * len(indices)
-        last, seen = int(indices[-1]), 0
-        with av.open(io.BytesIO(data), mode="r") as c:
-            for i, frame in enumerate(c.decode(video=0)):
-                seen = i + 1
-                if i in wanted:
-                    kept[wanted[i]] = frame.to_ndarray(format="rgb24")
-                if i >= last:
-                    break
+        frames = _decode_sampled(data, name, indices, total)
+    return frames, indices, fps, total
+
+
+def _probe(data: bytes, name: str) -> tuple[float, int]:
+    """(frame rate, frame count) of the first video stream: the container's count (HF reads
+    the same) or, when it has none, the stream's packets counted without decoding."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as c:
+        if not c.streams.video:
+            raise SampleError("no_video_stream", f"{name}: no video stream")
+        s = c.streams.video[0]
+        rate = s.average_rate or s.guessed_rate
+        total = int(s.frames) or sum(1 for p in c.demux(s) if p.size)
+    if total == 0:
+        raise SampleError("empty_video", f"{name}: no frames")
+    if not rate:
+        raise SampleError("corrupt_video", f"{name}: no frame rate")
+    return float(rate), total
+
+
+def _decode_sampled(data: bytes, name: str, indices: np.ndarray, total: int) -> np.ndarray:
+    """Decode frames 0..indices[-1] in order; convert only the sampled ones to RGB (``rgb24``,
+    as HF's ``read_video_pyav``). Decoding stops at a packet the demuxer flags corrupt (a file
+    cut inside a frame): that is ``truncated_video`` when no packet follows, else
+    ``corrupt_video``; a stream that ends before the last sampled frame is ``truncated_video``."""
+    import av
+
+    wanted = {int(i): k for k, i in enumerate(indices)}
+    kept: list[np.ndarray | None] = [None] * len(indices)
+    last, seen, damaged = int(indices[-1]), 0, None
+    with av.open(io.BytesIO(data), mode="r") as c:
+        s = c.streams.video[0]
+        packets = c.demux(s)
+        for packet in packets:
+            if packet.is_corrupt:
+                rest = sum(1 for p in packets if p.size)
+                damaged = "truncated_video" if rest == 0 else "corrupt_video"
+                break
+            for frame in packet.decode():
+                if seen in wanted:
+                    kept[wanted[seen]] = frame.to_ndarray(format="rgb24")
+                seen += 1
+            if seen > last:
+                break
     if seen <= last:
         raise SampleError(
-            "truncated_video", f"{name}: decoded {seen} of {total} frames (frame {last} needed)"
+            damaged or "truncated_video",
+            f"{name}: decoded {seen} of {total} frames, frame {last} needed"
+            + (" (the data ends inside a frame)" if damaged == "truncated_video" else "")
+            + (" (a damaged packet)" if damaged == "corrupt_video" else ""),
         )
-    return np.stack(kept), indices, fps, total
+    return np.stack(kept)
 
 
 def _source_bytes(src: Any, root: str | Path | None) -> tuple[bytes, str]:
@@ -338,8 +366,8 @@ class _av_step:
         import av
 
         msg = " ".join(str(e).split())
-        if isinstance(e, (av.error.InvalidDataError, av.error.FFmpegError, EOFError)):
-            raise SampleError("corrupt_video", f"{self.name}: {type(e).__name__}: {msg}") from None
+        if isinstance(e, av.error.FFmpegError):  # InvalidDataError, EOFError, ...
+            raise SampleError("corrupt_video", f"{self.name}: {e.strerror}") from None
         if isinstance(e, Exception):
             raise SampleError(
                 "decode_error", f"{self.name}: {type(e).__name__}: {msg}", type(e).__name__
