@@ -159,10 +159,9 @@ def run_case(name: str, spec, out: Path, tmp: Path) -> None:
         do_sample_frames=True,
         return_tensors="pt",
     )
-    vm = enc["video_metadata"][0] if "video_metadata" in enc else None
     pv = enc["pixel_values_videos"]
     assert pv.dtype == torch.float32
-    indices = np.asarray(proc.video_processor.sample_frames(dict_md(md), fps=None))
+    indices = np.asarray(proc.video_processor.sample_frames(_metadata(md), fps=None))
     check_hf_pyav(path, proc, frames, indices)
     u8 = torch.round(pv.double() * 127.5 + 127.5).clamp(0, 255).to(torch.uint8)
     assert torch.equal((u8.float() - 127.5) / 127.5, pv), "uint8 map is not exact"
@@ -185,14 +184,13 @@ def run_case(name: str, spec, out: Path, tmp: Path) -> None:
         input_ids=enc["input_ids"][0].numpy().astype(np.int64),
         options=np.array(json.dumps(options, sort_keys=True)),
     )
-    del vm
     print(
         f"{name}: {w}x{h} {float(fps)} fps {total} frames -> indices {indices.tolist()} grid {grid}, "
         f"{path.stat().st_size} B video"
     )
 
 
-def dict_md(md: dict):
+def _metadata(md: dict):
     from transformers.video_utils import VideoMetadata
 
     return VideoMetadata(total_num_frames=md["total_num_frames"], fps=md["fps"])

@@ -279,3 +279,23 @@ def test_bad_frame_lists():
         with pytest.raises(SampleError) as e:
             VideoProcessor().from_frames(frames, fps=fps)
         assert e.value.reason == "bad_frames" and "frame list" in e.value.message
+
+
+def test_container_without_frame_count_counts_packets(results):
+    """Matroska stores no frame count (``stream.frames == 0``; HF's PyAV reader then samples
+    nothing): the packets are counted, so the clip samples as its MP4 twin does."""
+    _, opts, v = results["odd_30fps"]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as c:
+        s = c.add_stream("libx264", rate=30)
+        s.width, s.height, s.pix_fmt = 96, 64, "yuv420p"
+        for a in _all_frames(FIXTURES / "odd_30fps.mp4"):
+            for p in s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    with av.open(io.BytesIO(buf.getvalue())) as c:
+        assert c.streams.video[0].frames == 0
+    w = VideoProcessor(opts)(buf.getvalue())
+    assert (w.total_frames, w.frame_indices, w.grid_thw) == (75, v.frame_indices, v.grid_thw)
+    assert w.timestamps == v.timestamps
