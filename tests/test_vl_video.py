@@ -299,3 +299,15 @@ def test_container_without_frame_count_counts_packets(results):
     w = VideoProcessor(opts)(buf.getvalue())
     assert (w.total_frames, w.frame_indices, w.grid_thw) == (75, v.frame_indices, v.grid_thw)
     assert w.timestamps == v.timestamps
+
+
+def test_an_unforeseen_decoder_failure_is_this_videos_error(monkeypatch):
+    import torchtitan_ext.vl.video as video
+
+    def boom(data, name):
+        raise RuntimeError("codec\nexploded")
+
+    monkeypatch.setattr(video, "_probe", boom)
+    e = _error(FIXTURES / "small_10fps.mp4")
+    assert e.reason == "decode_error" and e.error_type == "RuntimeError"
+    assert "small_10fps.mp4: RuntimeError: codec exploded" in e.message

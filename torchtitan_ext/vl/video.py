@@ -42,6 +42,7 @@ import io
 import math
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -350,29 +351,23 @@ def _source_bytes(src: Any, root: str | Path | None) -> tuple[bytes, str]:
     raise SampleError("missing_video", f"no video bytes or path ({type(src).__name__})")
 
 
-class _av_step:
-    """Context: PyAV's failures become this video's SampleError (``corrupt_video`` for invalid
-    or unreadable data, ``decode_error`` with the class for anything else)."""
+@contextmanager
+def _av_step(name: str):
+    """PyAV's failures become this video's SampleError: ``corrupt_video`` for FFmpeg's errors
+    (invalid or unreadable data), ``decode_error`` with the class for anything else."""
+    import av
 
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, e, tb):
-        if e is None or isinstance(e, SampleError):
-            return False
-        import av
-
+    try:
+        yield
+    except SampleError:
+        raise
+    except av.error.FFmpegError as e:  # InvalidDataError, EOFError, ...
+        raise SampleError("corrupt_video", f"{name}: {e.strerror}") from None
+    except Exception as e:  # a codec's unforeseen failure is still this video's, not the build's
         msg = " ".join(str(e).split())
-        if isinstance(e, av.error.FFmpegError):  # InvalidDataError, EOFError, ...
-            raise SampleError("corrupt_video", f"{self.name}: {e.strerror}") from None
-        if isinstance(e, Exception):
-            raise SampleError(
-                "decode_error", f"{self.name}: {type(e).__name__}: {msg}", type(e).__name__
-            ) from None
-        return False
+        raise SampleError(
+            "decode_error", f"{name}: {type(e).__name__}: {msg}", type(e).__name__
+        ) from None
 
 
 def stack_frames(frames: Sequence[Any]) -> np.ndarray:
