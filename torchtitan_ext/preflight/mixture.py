@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,25 @@ def data_files(path: str) -> bool:
     return p.is_file()
 
 
+def recorded_store(loader_cfg: Any, path: str) -> bool:
+    """A ``cached_vl`` source whose local data is gone still trains from the sample store built
+    from it (``vl/store_lookup.py``: a new pack length or new weights are only a new plan): some
+    store under the loader's ``cache_dir`` records ``path`` as its dataset. Which store, and
+    whether its processor is the job's, the loader decides (it loads the processor)."""
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+    from torchtitan_ext.vl.format import MANIFEST
+
+    if not isinstance(loader_cfg, CachedVLDataLoader.Config):
+        return False
+    for mf in Path(loader_cfg.cache_dir).glob(f"*/{MANIFEST}"):
+        try:
+            if json.loads(mf.read_text()).get("config", {}).get("dataset") == str(path):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue  # a damaged manifest is the loader's to name, with the store it chose
+    return False
+
+
 def configured_names(loader_cfg: Any) -> list[str]:
     """The source names of a loader Config's mixture ([] for a single dataset)."""
     if isinstance(loader_cfg, MixOptions) and loader_cfg.sources:
@@ -66,13 +86,65 @@ def check_mixture(job: Job) -> None:
         except MixtureError as e:
             raise ConfigError(f"{job.file}: {e}") from None
         for spec in loader_cfg.sources:
-            if spec.path is not None and not data_files(spec.path):
-                raise ConfigError(
-                    f"{job.file}: {where} source {spec.name!r}: path = {spec.path!r} matches no "
-                    "data file; point it at a file, a directory holding the files, or a glob "
-                    "that matches them"
-                )
+            if spec.path is None or data_files(spec.path):
+                continue
+            if recorded_store(loader_cfg, spec.path):
+                continue  # the sample store built from it trains without it (a new plan only)
+            raise ConfigError(
+                f"{job.file}: {where} source {spec.name!r}: path = {spec.path!r} matches no "
+                "data file; point it at a file, a directory holding the files, or a glob "
+                "that matches them"
+            )
         _check_parquet_rows(job, loader_cfg, where)
+        _check_not_empty(job, loader_cfg, where)
+
+
+def holds_a_row(path: str) -> bool:
+    """Some data file under ``path`` holds a row: a Parquet file whose footer counts one, or
+    another file with a non-blank byte. Stops at the first such file (footers and first bytes
+    only: a large source costs what its first file costs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if any(c in path for c in "*?["):
+        files = (Path(f) for f in glob.iglob(path, recursive=True))
+    elif Path(path).is_dir():
+        base = Path(path)
+        files = (f for f in sorted(base.rglob("*"))
+                 if not any(p.startswith(".") for p in f.relative_to(base).parts))  # fmt: skip
+    else:
+        files = iter([Path(path)])
+    for f in files:
+        if not f.is_file():
+            continue
+        if f.suffix == ".parquet":
+            try:
+                if pq.ParquetFile(f).metadata.num_rows > 0:
+                    return True
+            except (OSError, pa.ArrowException):
+                return True  # unreadable is not empty: the loader names the file
+            continue
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 16):
+                if chunk.strip():
+                    return True
+    return False
+
+
+def _check_not_empty(job: Job, loader_cfg: Any, where: str) -> None:
+    """A ``streaming_text`` or ``cached_vl`` source whose local data files hold no row is named
+    now (the Parquet loader's sources are counted per split by ``_check_parquet_rows``)."""
+    from torchtitan_ext.loaders.streaming import StreamingTextDataLoader
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+
+    if not isinstance(loader_cfg, (StreamingTextDataLoader.Config, CachedVLDataLoader.Config)):
+        return
+    for spec in loader_cfg.sources:
+        if spec.path is not None and data_files(spec.path) and not holds_a_row(spec.path):
+            raise ConfigError(
+                f"{job.file}: {where} source {spec.name!r}: path = {spec.path!r} is an empty "
+                "source: its data files hold no row"
+            )
 
 
 def _check_parquet_rows(job: Job, loader_cfg: Any, where: str) -> None:
