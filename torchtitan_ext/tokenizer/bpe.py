@@ -48,6 +48,7 @@ from torchtitan_ext.tokenizer.pretokenize import (
     GPT2_PATTERN,
     SMALL_FILE_BYTES,
     BPEStats,
+    count_file_pretoken_bytes,
     count_file_pretokens,
     count_pretokens,
     default_workers,
@@ -80,6 +81,7 @@ def train_bpe(
     progress: bool = False,
     stats: BPEStats | None = None,
     mp_context: str | None = None,
+    pretokenizer: str = "auto",
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Train a byte-level BPE tokenizer on a UTF-8 text file (CS336 assignment 1 semantics).
 
@@ -97,6 +99,7 @@ def train_bpe(
         progress: show tqdm progress bars (pre-tokenization bytes, merges).
         stats: a ``BPEStats`` to fill with timings and counts.
         mp_context: multiprocessing start method (default: the platform's).
+        pretokenizer: ``"auto"`` | ``"native"`` (the C scanner) | ``"regex"`` (same results).
 
     Returns:
         ``(vocab, merges)``: ``vocab`` maps id -> token bytes; ``merges`` lists
@@ -120,7 +123,7 @@ def train_bpe(
     st.engine = "python" if (engine == "python" or not native_available()) else "native"
     num_merges = vocab_size - 256 - len(specials)
     words, counts = _pretokenize(
-        path, size, specials, workers, chunk_bytes, progress, st, mp_context
+        path, size, specials, workers, chunk_bytes, progress, st, mp_context, pretokenizer
     )
     pairs = _merge(words, counts, num_merges, engine, progress, st)
     return vocab_from_merges(pairs, specials)
@@ -135,6 +138,7 @@ def _pretokenize(
     progress: bool,
     st: BPEStats,
     mp_context: str | None,
+    pretokenizer: str,
 ) -> tuple[list[bytes], list[int]]:
     """Step 1 of :func:`train_bpe`, timed into ``st``: the unique pre-tokens as UTF-8 words and
     their counts."""
@@ -145,8 +149,15 @@ def _pretokenize(
         bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenize")
     t0 = time.perf_counter()
     try:
-        counter = count_file_pretokens(
-            path, specials, workers, chunk_bytes, bar.update if bar else None, st, mp_context
+        counter = count_file_pretoken_bytes(
+            path,
+            specials,
+            workers,
+            chunk_bytes,
+            bar.update if bar else None,
+            st,
+            mp_context,
+            pretokenizer,
         )
     finally:
         if bar is not None:
@@ -155,7 +166,7 @@ def _pretokenize(
     st.unique_pretokens = len(counter)
     st.pretokens = sum(counter.values())
     t1 = time.perf_counter()
-    words = [w.encode("utf-8") for w in counter]
+    words = list(counter)
     counts = list(counter.values())
     st.merge_s = time.perf_counter() - t1  # building the words counts as merging (BPEStats)
     return words, counts

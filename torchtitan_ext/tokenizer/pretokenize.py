@@ -27,6 +27,7 @@ the CPU idle fraction next to these rows).
 from __future__ import annotations
 
 import collections
+import functools
 import mmap
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -50,17 +51,82 @@ from torchtitan_ext.tokenizer.chunks import (
 
 __all__ = [
     "GPT2_PATTERN",
+    "PRETOKENIZERS",
     "SMALL_FILE_BYTES",
     "BPEStats",
+    "count_file_pretoken_bytes",
     "count_file_pretokens",
     "count_pretokens",
     "default_workers",
+    "native_pretokenizer_available",
 ]
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 """GPT-2's pre-tokenization regex (``regex`` syntax), as in CS336 assignment 1."""
 
 _PAT = regex.compile(GPT2_PATTERN)
+
+try:  # the C scanner; optional so a checkout without a compiler still works (regex path)
+    from torchtitan_ext.tokenizer import _pretok  # type: ignore[attr-defined]
+except ImportError:  # safe to swallow: the regex path below gives identical counts
+    _pretok = None
+
+PRETOKENIZERS = ("auto", "native", "regex")
+"""``pretokenizer=`` values: ``native`` = the C scanner of ``_pretok.c`` (GPT-2's pattern
+unrolled by hand, character classes taken from ``regex``), ``regex`` = ``regex.findall`` with
+:data:`GPT2_PATTERN`, ``auto`` = native when built. Both give identical counts (tests)."""
+
+
+def native_pretokenizer_available() -> bool:
+    """True when the C pre-tokenizer (``torchtitan_ext.tokenizer._pretok``) was built."""
+    return _pretok is not None and _class_table() is not None
+
+
+@functools.cache
+def _class_table() -> bytes | None:
+    """The character class of every code point as the ``regex`` package sees it, one byte each
+    (1 ``\\p{L}``, 2 ``\\p{N}``, 3 ``\\s``, 0 other): the C scanner classifies with this table,
+    so its classes are the reference engine's by construction (~40 ms, once per process; forked
+    workers inherit it). ``None`` if the classes overlap, which GPT-2's pattern does not expect
+    (the scanner is then not used)."""
+    import numpy as np  # only here: every code point as one str in ~20 ms (a join takes 0.2 s)
+
+    every = np.arange(0x110000, dtype="<u4").tobytes().decode("utf-32-le", "surrogatepass")
+    table = bytearray(0x110000)
+    for code, pattern in ((1, r"\p{L}+"), (2, r"\p{N}+"), (3, r"\s+")):
+        for m in regex.finditer(pattern, every):
+            a, b = m.span()
+            if any(table[a:b]):
+                return None
+            table[a:b] = bytes([code]) * (b - a)
+    return bytes(table)
+
+
+def _check_pretokenizer(pretokenizer: str) -> bool:
+    """Whether to use the C scanner for ``pretokenizer``; a one-line error for a bad value."""
+    if pretokenizer not in PRETOKENIZERS:
+        raise ValueError(f"pretokenizer must be one of {PRETOKENIZERS}, got {pretokenizer!r}")
+    if pretokenizer == "regex":
+        return False
+    if not native_pretokenizer_available():
+        if pretokenizer == "native":
+            raise RuntimeError(
+                "pretokenizer='native' but torchtitan_ext.tokenizer._pretok is not built; run "
+                "`pip install -e .` (needs a C compiler) or use pretokenizer='regex'"
+            )
+        return False
+    return True
+
+
+def _new_sink(native: bool):
+    """Where a worker counts: the C counter (bytes keys) or a ``Counter`` of str."""
+    return _pretok.Counter(_class_table()) if native else collections.Counter()
+
+
+def _sink_as_bytes(sink) -> dict[bytes, int]:
+    if isinstance(sink, collections.Counter):
+        return {k.encode("utf-8"): v for k, v in sink.items()}
+    return sink.to_dict()
 
 
 @dataclass
@@ -104,23 +170,51 @@ def default_workers(size: int | None = None) -> int:
 
 
 def count_pretokens(
-    text: str, special_tokens: list[str], counter: collections.Counter | None = None
+    text: str,
+    special_tokens: list[str],
+    counter: collections.Counter | None = None,
+    pretokenizer: str = "auto",
 ) -> collections.Counter:
-    """Count GPT-2 pre-tokens of ``text`` after removing the special tokens (CS336 semantics)."""
-    counter = collections.Counter() if counter is None else counter
-    findall = _PAT.findall
+    """Count GPT-2 pre-tokens of ``text`` after removing the special tokens (CS336 semantics).
+
+    ``counter`` (str keys) is updated and returned; internally it may also be the C counter
+    (``_pretok.Counter``, bytes keys), which is then filled directly.
+    """
+    if counter is None or isinstance(counter, collections.Counter):
+        out = collections.Counter() if counter is None else counter
+        if not _check_pretokenizer(pretokenizer):
+            _count_docs(text, special_tokens, out)
+            return out
+        sink = _new_sink(True)
+        _count_docs(text, special_tokens, sink)
+        out.update({k.decode("utf-8"): v for k, v in sink.to_dict().items()})
+        return out
+    _count_docs(text, special_tokens, counter)
+    return counter
+
+
+def _count_docs(text: str, special_tokens: list[str], sink) -> None:
+    """Split ``text`` at the special tokens and count each document's pre-tokens into ``sink``
+    (a ``Counter`` of str: ``regex.findall``; a ``_pretok.Counter``: the C scanner)."""
+    if isinstance(sink, collections.Counter):
+        findall = _PAT.findall
+
+        def add(doc: str) -> None:
+            sink.update(findall(doc))
+    else:
+        add = sink.add
     if not special_tokens:
-        counter.update(findall(text))
+        if text:
+            add(text)
     elif len(special_tokens) == 1:
         # str.split scans left to right without overlap, the same as the regex split below
         for doc in text.split(special_tokens[0]):
             if doc:
-                counter.update(findall(doc))
+                add(doc)
     else:
         for doc in split_regex(special_tokens, as_bytes=False).split(text):
             if doc:
-                counter.update(findall(doc))
-    return counter
+                add(doc)
 
 
 def _decode(chunk: bytes, offset: int, path: str) -> str:
@@ -132,10 +226,10 @@ def _decode(chunk: bytes, offset: int, path: str) -> str:
         ) from None
 
 
-def _worker(tasks, result_conn, special_tokens: list[str], path: str) -> None:
-    """Pool worker: read and count every byte range it gets into one Counter; send it on the
-    sentinel. Reading its own ranges (seek + read) keeps file data off the pipes."""
-    counter: collections.Counter = collections.Counter()
+def _worker(tasks, result_conn, special_tokens: list[str], path: str, native: bool) -> None:
+    """Pool worker: read and count every byte range it gets into one counter; send it (bytes
+    keys) on the sentinel. Reading its own ranges (seek + read) keeps file data off the pipes."""
+    counter = _new_sink(native)
     cpu0 = time.process_time()
     try:
         with open(path, "rb") as f:
@@ -152,7 +246,7 @@ def _worker(tasks, result_conn, special_tokens: list[str], path: str) -> None:
                         "bytes; was the file truncated while training?)"
                     )
                 count_pretokens(_decode(chunk, start, path), special_tokens, counter)
-        msg = ("ok", (dict(counter), time.process_time() - cpu0))
+        msg = ("ok", (_sink_as_bytes(counter), time.process_time() - cpu0))
     except BaseException as e:  # relayed to the parent, which re-raises it with the traceback
         msg = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     result_conn.send(msg)
@@ -176,6 +270,7 @@ def count_file_pretokens(
     progress: Callable[[int], None] | None = None,
     stats: BPEStats | None = None,
     mp_context: str | None = None,
+    pretokenizer: str = "auto",
 ) -> collections.Counter:
     """Pre-tokenize a UTF-8 file and count its pre-tokens (step 1 of ``train_bpe``).
 
@@ -183,11 +278,30 @@ def count_file_pretokens(
     the byte ranges through a bounded queue to ``num_workers`` processes that read and count them
     (``0``: a streaming ``iter_chunks`` loop in this process; ``None``: the usable CPUs, or 0 for
     files under ``SMALL_FILE_BYTES``). ``progress`` is called with each chunk's byte count as it
-    is handed out.
+    is handed out. ``pretokenizer``: see :data:`PRETOKENIZERS` (same counts either way).
     Returns a ``Counter`` of pre-token str -> count; special tokens are never counted.
     """
+    counts = count_file_pretoken_bytes(
+        path, special_tokens, num_workers, chunk_bytes, progress, stats, mp_context, pretokenizer
+    )
+    return collections.Counter({k.decode("utf-8"): v for k, v in counts.items()})
+
+
+def count_file_pretoken_bytes(
+    path: str | os.PathLike,
+    special_tokens: list[str] | tuple[str, ...] = (),
+    num_workers: int | None = None,
+    chunk_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    stats: BPEStats | None = None,
+    mp_context: str | None = None,
+    pretokenizer: str = "auto",
+) -> collections.Counter:
+    """:func:`count_file_pretokens` with the pre-tokens as UTF-8 ``bytes`` keys: what the merge
+    loop takes, and what the C counter makes without building a str per pre-token."""
     path = os.fspath(path)
     special_tokens = check_specials(special_tokens)
+    native = _check_pretokenizer(pretokenizer)
     size = os.path.getsize(path)
     num_workers = default_workers(size) if num_workers is None else int(num_workers)
     if num_workers < 0:
@@ -197,11 +311,11 @@ def count_file_pretokens(
     total: collections.Counter = collections.Counter()
     stats.workers = num_workers
     if num_workers == 0:
-        return _count_in_process(path, special_tokens, cb, progress, stats)
+        return _count_in_process(path, special_tokens, cb, progress, stats, native)
 
     ctx = mp.get_context(mp_context)
     tasks = ctx.Queue(maxsize=2 * num_workers)  # bounded: the reader never runs far ahead
-    readers, procs = _start_workers(ctx, tasks, num_workers, special_tokens, path)
+    readers, procs = _start_workers(ctx, tasks, num_workers, special_tokens, path, native)
     stop = threading.Event()
     feeder, feed_error = _start_reader(
         path, size, special_tokens, cb, tasks, stop, len(procs), progress, stats
@@ -239,22 +353,25 @@ def _count_in_process(
     chunk_bytes: int,
     progress: Callable[[int], None] | None,
     stats: BPEStats,
+    native: bool,
 ) -> collections.Counter:
     """``num_workers=0``: a streaming ``iter_chunks`` loop in this process (same cuts)."""
-    total: collections.Counter = collections.Counter()
+    sink = _new_sink(native)
     offset = 0
     with open(path, "rb") as f:
         for chunk in iter_chunks(f, special_tokens, chunk_bytes):
-            count_pretokens(_decode(chunk, offset, path), special_tokens, total)
+            count_pretokens(_decode(chunk, offset, path), special_tokens, sink)
             offset += len(chunk)
             stats.chunks += 1
             if progress:
                 progress(len(chunk))
     stats.bytes_read = offset
-    return total
+    return collections.Counter(_sink_as_bytes(sink))
 
 
-def _start_workers(ctx, tasks, num_workers: int, special_tokens: list[str], path: str):
+def _start_workers(
+    ctx, tasks, num_workers: int, special_tokens: list[str], path: str, native: bool
+):
     """Start the pool: ``(result pipe readers, processes)``. One result pipe per worker: the
     worker sends its counter synchronously (no queue thread), and a worker that dies closes its
     end, which the parent sees at once (EOF). A failed start terminates those already started."""
@@ -263,7 +380,9 @@ def _start_workers(ctx, tasks, num_workers: int, special_tokens: list[str], path
     try:
         for _ in range(num_workers):
             r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(tasks, w, special_tokens, path), daemon=True)
+            p = ctx.Process(
+                target=_worker, args=(tasks, w, special_tokens, path, native), daemon=True
+            )
             p.start()
             w.close()  # before the next fork, so only worker i holds pipe i's write end
             readers.append(r)
