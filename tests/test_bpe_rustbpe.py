@@ -139,6 +139,14 @@ def test_counter_rejects_bytes_and_bad_tables():
     c.add("ab ab")
     c.add("ab")
     assert c.to_dict() == {b"ab": 2, b" ab": 1} and len(c) == 2
+    # what a worker ships: dump() merged into another counter adds the counts
+    other = _pretok.Counter(pretokenize._class_table())
+    other.add("ab cd é")
+    other.merge(c.dump())
+    other.merge(c.dump())
+    assert other.to_dict() == {b"ab": 5, b" ab": 2, b" cd": 1, b" \xc3\xa9": 1}
+    with pytest.raises(ValueError, match="Counter.dump"):
+        other.merge(c.dump()[:-1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@
  *                                classes are exactly those of the reference pattern.
  *   Counter.add(text: str)       count the pre-tokens of one document (no special tokens in it)
  *   Counter.to_dict() -> dict[bytes, int]   the UTF-8 pre-tokens and their counts
+ *   Counter.dump() -> bytes      the counts as one buffer (what a worker process ships)
+ *   Counter.merge(blob)          add the counts of another Counter's dump()
  *   len(Counter)                 distinct pre-tokens
  *
  * The scanner is GPT-2's pattern
@@ -87,7 +89,7 @@ static int rehash(Counter *c, uint64_t ncap) {
     return 0;
 }
 
-static int count_token(Counter *c, const uint8_t *p, int32_t n) {
+static int count_token(Counter *c, const uint8_t *p, int32_t n, int64_t **slot) {
     uint32_t h = (uint32_t)(hash_bytes(p, n) >> 32);
     uint64_t mask = c->cap - 1, j = ((uint64_t)h * 0x9E3779B97F4A7C15ULL) >> 20 & mask;
     uint64_t tag = (uint64_t)h << 32;
@@ -98,6 +100,7 @@ static int count_token(Counter *c, const uint8_t *p, int32_t n) {
             Entry *e = &c->entries[(v & 0xFFFFFFFFULL) - 1];
             if (e->len == n && memcmp(c->arena + e->off, p, (size_t)n) == 0) {
                 e->count++;
+                if (slot) *slot = &e->count;
                 return 0;
             }
         }
@@ -123,6 +126,7 @@ static int count_token(Counter *c, const uint8_t *p, int32_t n) {
     e->len = n;
     e->count = 1;
     e->hash = h;
+    if (slot) *slot = &e->count; /* entries only move on the realloc above, never after */
     c->index[j] = tag | (uint64_t)(c->n + 1);
     c->arena_len += n;
     c->n++;
@@ -185,7 +189,7 @@ static int scan(Counter *c, const uint8_t *p, int64_t n) {
         if (p[i] == '\'') {
             int k = is_contraction(p, i, n);
             if (k) {
-                if (count_token(c, p + i, k)) return -1;
+                if (count_token(c, p + i, k, NULL)) return -1;
                 i += k;
                 continue;
             }
@@ -223,7 +227,7 @@ static int scan(Counter *c, const uint8_t *p, int64_t n) {
             PyErr_SetString(PyExc_ValueError, "pre-token longer than 2 GiB");
             return -1;
         }
-        if (count_token(c, p + start, (int32_t)(end - start))) return -1;
+        if (count_token(c, p + start, (int32_t)(end - start), NULL)) return -1;
         i = end;
     }
     return 0;
@@ -300,6 +304,58 @@ static PyObject *Counter_to_dict(Counter *self, PyObject *unused) {
     return d;
 }
 
+/* dump(): one bytes object [int64 n][n x int32 len][n x int64 count][key bytes], so a worker
+ * process ships its counts as one buffer (no pickling of a dict of n keys) */
+static PyObject *Counter_dump(Counter *self, PyObject *unused) {
+    int64_t n = self->n;
+    Py_ssize_t size = 8 + n * 12 + self->arena_len;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (!out) return NULL;
+    uint8_t *q = (uint8_t *)PyBytes_AS_STRING(out);
+    memcpy(q, &n, 8);
+    uint8_t *lens = q + 8, *counts = q + 8 + 4 * n, *keys = q + 8 + 12 * n;
+    for (int64_t i = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        memcpy(lens + 4 * i, &e->len, 4);
+        memcpy(counts + 8 * i, &e->count, 8);
+        memcpy(keys, self->arena + e->off, (size_t)e->len);
+        keys += e->len;
+    }
+    return out;
+}
+
+/* merge(blob): add the counts of another Counter's dump() */
+static PyObject *Counter_merge(Counter *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    const uint8_t *q = b.buf;
+    int64_t n = -1;
+    if (b.len >= 8) memcpy(&n, q, 8);
+    if (n < 0 || b.len < 8 + 12 * n) goto bad;
+    const uint8_t *lens = q + 8, *counts = q + 8 + 4 * n, *keys = q + 8 + 12 * n;
+    const uint8_t *end = q + b.len;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t len;
+        int64_t cnt;
+        memcpy(&len, lens + 4 * i, 4);
+        memcpy(&cnt, counts + 8 * i, 8);
+        if (len < 0 || keys + len > end) goto bad;
+        int64_t *slot = NULL;
+        if (count_token(self, keys, len, &slot)) {
+            PyBuffer_Release(&b);
+            return NULL;
+        }
+        *slot += cnt - 1;
+        keys += len;
+    }
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+bad:
+    PyBuffer_Release(&b);
+    PyErr_SetString(PyExc_ValueError, "merge() needs the bytes of a Counter.dump()");
+    return NULL;
+}
+
 static Py_ssize_t Counter_len(Counter *self) { return (Py_ssize_t)self->n; }
 
 static PyMethodDef Counter_methods[] = {
@@ -307,6 +363,10 @@ static PyMethodDef Counter_methods[] = {
      "add(text: str): count the GPT-2 pre-tokens of one document (no special tokens in it)"},
     {"to_dict", (PyCFunction)Counter_to_dict, METH_NOARGS,
      "to_dict() -> dict[bytes, int]: the UTF-8 pre-tokens and their counts"},
+    {"dump", (PyCFunction)Counter_dump, METH_NOARGS,
+     "dump() -> bytes: the counts as one buffer, for merge() in another process"},
+    {"merge", (PyCFunction)Counter_merge, METH_O,
+     "merge(blob): add the counts of another Counter's dump()"},
     {NULL, NULL, 0, NULL}};
 
 static PySequenceMethods Counter_seq = {.sq_length = (lenfunc)Counter_len};
