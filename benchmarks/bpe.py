@@ -217,6 +217,7 @@ def _train_rows(
 
     rows: list[Row] = []
     last: dict[str, object] = {}
+    split: dict[str, list[tuple[float, float]]] = {}  # (pretokenize_s, merge_s) of every run
 
     def ours(key: str, engine: str, pretokenizer: str):
         def go() -> None:
@@ -224,6 +225,7 @@ def _train_rows(
             v, m = train_bpe(path, vocab, [SPECIAL], workers, engine=engine, stats=st,
                              pretokenizer=pretokenizer)  # fmt: skip
             last[key] = (m, st)
+            split.setdefault(key, []).append((st.pretokenize_s, st.merge_s))
 
         return go
 
@@ -245,7 +247,9 @@ def _train_rows(
 
     def stats_info(key: str) -> dict:
         m, st = last[key]
-        return {"pretokenize_s": st.pretokenize_s, "merge_s": st.merge_s, "merges": st.merges,
+        runs = split[key][warmup:]  # the timed runs (re-takes included), medians like the rows
+        return {"pretokenize_s": statistics.median(p for p, _ in runs),
+                "merge_s": statistics.median(m for _, m in runs), "merges": st.merges,
                 "unique_pretokens": st.unique_pretokens, "pretokens": st.pretokens}  # fmt: skip
 
     rust_row = None

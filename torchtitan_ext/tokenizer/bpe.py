@@ -8,7 +8,10 @@ Algorithm, one module per step:
 1. **Pre-tokenization (streaming, parallel)** — :mod:`~torchtitan_ext.tokenizer.chunks` cuts
    the file into chunks that pre-tokenize independently (at special tokens, or before a safe
    newline), :mod:`~torchtitan_ext.tokenizer.pretokenize` counts GPT-2 pre-tokens in a pool of
-   worker processes fed byte ranges by a reader thread, one ``Counter`` back per worker.
+   worker processes fed byte ranges by a reader thread, one counter back per worker. The
+   counting is C (``_pretok.c``: GPT-2's pattern unrolled by hand over a character-class table
+   taken from the ``regex`` package, counts in a C hash table), with ``regex.findall`` as the
+   fallback giving identical counts (``pretokenizer=``).
 2. **Merging (unique words only)** — :mod:`~torchtitan_ext.tokenizer.merge`: incremental pair
    counts, an inverted index pair -> words and a lazy-deletion max-heap, ties to the
    lexicographically greatest ``(bytes, bytes)``; in C (``_native.c``) with a pure-Python
@@ -17,13 +20,16 @@ Algorithm, one module per step:
 This module is the public API (:func:`train_bpe`, :func:`train_bpe_from_texts`) and re-exports
 the names of the step modules that callers import from here.
 
-Why hand-written: Hugging Face ``tokenizers``' ``BpeTrainer`` is fast but breaks ties
-differently (so it cannot reproduce CS336's reference merges) and is not streaming; no library
-implements CS336's exact rule. Pre-tokenization, by contrast, uses the ``regex`` package as is.
+Why hand-written: Hugging Face ``tokenizers``' ``BpeTrainer`` and nanochat's ``rustbpe`` are
+fast but break ties differently (so they cannot reproduce CS336's reference merges); no library
+implements CS336's exact rule. The ``regex`` package stays the reference of the pre-tokens: the
+C scanner takes its character classes from it and the tests compare both.
 
-Cost: ``python -m benchmarks bpe`` runs ours (C and Python merge loops, 2 workers) against HF
-``BpeTrainer`` on a 5.2 MB corpus of the shipped public-domain texts at vocab 10k; the figures
-are in ``benchmarks/RESULTS.md`` (section *bpe*).
+Cost: ``python -m benchmarks bpe`` runs ours (C and Python merge loops, C and regex
+pre-tokenizers, 2 workers) against ``rustbpe`` (with GPT-2's pattern: same pre-tokens) and HF
+``BpeTrainer`` at vocab 10k, on a 5.2 MB corpus of the shipped public-domain texts or, with
+``--set corpus_mb=100``, a synthetic 100 MB corpus whose vocabulary grows like natural text's;
+the figures are in ``benchmarks/RESULTS.md`` (section *bpe*).
 """
 
 from __future__ import annotations

@@ -8,13 +8,20 @@ file data crosses a pipe), decodes, splits on the special tokens (longest first,
 never join a merge), runs GPT-2's pattern with the ``regex`` package (the reference engine
 itself, so the pre-tokens are exact by construction) and counts them in one ``Counter`` across
 all its chunks; it ships that one counter back on its sentinel, so inter-process traffic is one
-dict per worker, not one per chunk. Memory is bounded by one chunk per worker plus the number of
+buffer per worker, not one per chunk. The counting runs in C when ``_pretok`` is built (the
+default, ``pretokenizer="auto"``): a hand-unrolled scanner of the same pattern whose character
+classes are a table built from ``regex`` itself (:func:`_class_table`), counting into a C hash
+table that a worker ships as one ``dump()`` buffer; ``regex.findall`` is the fallback and the
+reference (identical counts, tests/test_bpe_rustbpe.py). Memory is bounded by one chunk per worker plus the number of
 unique pre-tokens (sub-linear in the corpus, Heaps' law); the mapped pages are clean page cache.
 ``num_workers=0`` counts in-process with a plain streaming reader (``iter_chunks``) that makes
 the same cuts. The reader thread's hand-off and error relay are :mod:`torchtitan_ext.threads`'.
 
 Cost: ``python -m benchmarks bpe`` times pre-tokenization at 1 and 2 workers and in-process
-(``benchmarks/RESULTS.md``, section *bpe*). Why 2 workers stay below 2x, from one run of that
+(``benchmarks/RESULTS.md``, section *bpe*). The C scanner counts ~60-90 MB/s per core on the
+shipped texts (~5x the regex); at 5 MB the pool's fixed cost (fork, queue hand-offs) is then
+larger than the counting, so in-process is as fast as 2 workers there. The figures below are
+the regex path's. Why 2 workers stay below 2x, from one run of that
 benchmark with both cores of the 2-core development box idle (5.2 MB corpus; not in
 RESULTS.md, whose runs were on a shared machine): 0.335 s with 1 worker, 0.183 s with 2 (1.83x;
 1.80-1.85x over the quiet runs), 0.327 s in-process; the regex runs at ~16 MB/s per core, the
