@@ -112,6 +112,12 @@ def test_random_corpus_identical_counts_merges_and_vocab(tmp_path, seed):
     assert train_bpe(p, 1500, [EOT], 2, chunk_bytes=5000, pretokenizer="native") == regex_path
 
 
+def test_lone_surrogates_fall_back_to_regex():
+    # not from a file (a file is decoded as strict UTF-8), but a str may hold them
+    text = "ab\ud800cd 'll \udfff"
+    assert count_pretokens(text, [EOT], pretokenizer="native") == _reference(text)
+
+
 def test_pretokenizer_argument_errors(tmp_path, monkeypatch):
     p = tmp_path / "x.txt"
     p.write_text("abc", encoding="utf-8")

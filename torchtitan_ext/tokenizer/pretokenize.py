@@ -193,7 +193,11 @@ def count_pretokens(
             _count_docs(text, special_tokens, out)
             return out
         sink = _new_sink(True)
-        _count_docs(text, special_tokens, sink)
+        try:
+            _count_docs(text, special_tokens, sink)
+        except UnicodeEncodeError:  # lone surrogates: not UTF-8, so only the regex can split them
+            _count_docs(text, special_tokens, out)
+            return out
         out.update({k.decode("utf-8"): v for k, v in sink.to_dict().items()})
         return out
     _count_docs(text, special_tokens, counter)
