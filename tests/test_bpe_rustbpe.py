@@ -11,7 +11,7 @@ import regex
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_ext.tokenizer import pretokenize
+from torchtitan_ext.tokenizer import pretokenize, scanner
 from torchtitan_ext.tokenizer.bpe import count_file_pretokens, count_pretokens, train_bpe
 from torchtitan_ext.tokenizer.export import read_gpt2_merges
 
@@ -123,7 +123,7 @@ def test_pretokenizer_argument_errors(tmp_path, monkeypatch):
     p.write_text("abc", encoding="utf-8")
     with pytest.raises(ValueError, match="pretokenizer must be one of"):
         train_bpe(p, 300, [EOT], pretokenizer="rust")
-    monkeypatch.setattr(pretokenize, "_pretok", None)
+    monkeypatch.setattr(scanner, "_pretok", None)
     assert not pretokenize.native_pretokenizer_available()
     with pytest.raises(RuntimeError, match="_pretok is not built"):
         train_bpe(p, 300, [EOT], pretokenizer="native")
@@ -139,14 +139,14 @@ def test_counter_rejects_bytes_and_bad_tables():
 
     with pytest.raises(ValueError, match="classes must be"):
         _pretok.Counter(b"\x00" * 10)
-    c = _pretok.Counter(pretokenize._class_table())
+    c = _pretok.Counter(scanner.class_table())
     with pytest.raises(TypeError, match="needs a str"):
         c.add(b"abc")
     c.add("ab ab")
     c.add("ab")
     assert c.to_dict() == {b"ab": 2, b" ab": 1} and len(c) == 2
     # what a worker ships: dump() merged into another counter adds the counts
-    other = _pretok.Counter(pretokenize._class_table())
+    other = _pretok.Counter(scanner.class_table())
     other.add("ab cd é")
     other.merge(c.dump())
     other.merge(c.dump())

@@ -10,7 +10,7 @@ itself, so the pre-tokens are exact by construction) and counts them in one ``Co
 all its chunks; it ships that one counter back on its sentinel, so inter-process traffic is one
 buffer per worker, not one per chunk. The counting runs in C when ``_pretok`` is built (the
 default, ``pretokenizer="auto"``): a hand-unrolled scanner of the same pattern whose character
-classes are a table built from ``regex`` itself (:func:`_class_table`), counting into a C hash
+classes are a table built from ``regex`` itself (:func:`~torchtitan_ext.tokenizer.scanner.class_table`), counting into a C hash
 table that a worker ships as one ``dump()`` buffer; ``regex.findall`` is the fallback and the
 reference (identical counts, tests/test_bpe_rustbpe.py). Memory is bounded by one chunk per worker plus the number of
 unique pre-tokens (sub-linear in the corpus, Heaps' law); the mapped pages are clean page cache.
@@ -34,7 +34,6 @@ the CPU idle fraction next to these rows).
 from __future__ import annotations
 
 import collections
-import functools
 import mmap
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -55,6 +54,13 @@ from torchtitan_ext.tokenizer.chunks import (
     iter_chunks,
     split_regex,
 )
+from torchtitan_ext.tokenizer.scanner import (
+    PRETOKENIZERS,
+    check_pretokenizer,
+    native_pretokenizer_available,
+    new_sink,
+    sink_as_bytes,
+)
 
 __all__ = [
     "GPT2_PATTERN",
@@ -72,68 +78,6 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 """GPT-2's pre-tokenization regex (``regex`` syntax), as in CS336 assignment 1."""
 
 _PAT = regex.compile(GPT2_PATTERN)
-
-try:  # the C scanner; optional so a checkout without a compiler still works (regex path)
-    from torchtitan_ext.tokenizer import _pretok  # type: ignore[attr-defined]
-except ImportError:  # safe to swallow: the regex path below gives identical counts
-    _pretok = None
-
-PRETOKENIZERS = ("auto", "native", "regex")
-"""``pretokenizer=`` values: ``native`` = the C scanner of ``_pretok.c`` (GPT-2's pattern
-unrolled by hand, character classes taken from ``regex``), ``regex`` = ``regex.findall`` with
-:data:`GPT2_PATTERN`, ``auto`` = native when built. Both give identical counts (tests)."""
-
-
-def native_pretokenizer_available() -> bool:
-    """True when the C pre-tokenizer (``torchtitan_ext.tokenizer._pretok``) was built."""
-    return _pretok is not None and _class_table() is not None
-
-
-@functools.cache
-def _class_table() -> bytes | None:
-    """The character class of every code point as the ``regex`` package sees it, one byte each
-    (1 ``\\p{L}``, 2 ``\\p{N}``, 3 ``\\s``, 0 other): the C scanner classifies with this table,
-    so its classes are the reference engine's by construction (~40 ms, once per process; forked
-    workers inherit it). ``None`` if the classes overlap, which GPT-2's pattern does not expect
-    (the scanner is then not used)."""
-    import numpy as np  # only here: every code point as one str in ~20 ms (a join takes 0.2 s)
-
-    every = np.arange(0x110000, dtype="<u4").tobytes().decode("utf-32-le", "surrogatepass")
-    table = bytearray(0x110000)
-    for code, pattern in ((1, r"\p{L}+"), (2, r"\p{N}+"), (3, r"\s+")):
-        for m in regex.finditer(pattern, every):
-            a, b = m.span()
-            if any(table[a:b]):
-                return None
-            table[a:b] = bytes([code]) * (b - a)
-    return bytes(table)
-
-
-def _check_pretokenizer(pretokenizer: str) -> bool:
-    """Whether to use the C scanner for ``pretokenizer``; a one-line error for a bad value."""
-    if pretokenizer not in PRETOKENIZERS:
-        raise ValueError(f"pretokenizer must be one of {PRETOKENIZERS}, got {pretokenizer!r}")
-    if pretokenizer == "regex":
-        return False
-    if not native_pretokenizer_available():
-        if pretokenizer == "native":
-            raise RuntimeError(
-                "pretokenizer='native' but torchtitan_ext.tokenizer._pretok is not built; run "
-                "`pip install -e .` (needs a C compiler) or use pretokenizer='regex'"
-            )
-        return False
-    return True
-
-
-def _new_sink(native: bool):
-    """Where a worker counts: the C counter (bytes keys) or a ``Counter`` of str."""
-    return _pretok.Counter(_class_table()) if native else collections.Counter()
-
-
-def _sink_as_bytes(sink) -> dict[bytes, int]:
-    if isinstance(sink, collections.Counter):
-        return {k.encode("utf-8"): v for k, v in sink.items()}
-    return sink.to_dict()
 
 
 @dataclass
@@ -189,10 +133,10 @@ def count_pretokens(
     """
     if counter is None or isinstance(counter, collections.Counter):
         out = collections.Counter() if counter is None else counter
-        if not _check_pretokenizer(pretokenizer):
+        if not check_pretokenizer(pretokenizer):
             _count_docs(text, special_tokens, out)
             return out
-        sink = _new_sink(True)
+        sink = new_sink(True)
         try:
             _count_docs(text, special_tokens, sink)
         except UnicodeEncodeError:  # lone surrogates: not UTF-8, so only the regex can split them
@@ -240,7 +184,7 @@ def _decode(chunk: bytes, offset: int, path: str) -> str:
 def _worker(tasks, result_conn, special_tokens: list[str], path: str, native: bool) -> None:
     """Pool worker: read and count every byte range it gets into one counter; send it (bytes
     keys) on the sentinel. Reading its own ranges (seek + read) keeps file data off the pipes."""
-    counter = _new_sink(native)
+    counter = new_sink(native)
     cpu0 = time.process_time()
     try:
         with open(path, "rb") as f:
@@ -315,7 +259,7 @@ def count_file_pretoken_bytes(
     loop takes, and what the C counter makes without building a str per pre-token."""
     path = os.fspath(path)
     special_tokens = check_specials(special_tokens)
-    native = _check_pretokenizer(pretokenizer)
+    native = check_pretokenizer(pretokenizer)
     size = os.path.getsize(path)
     num_workers = default_workers(size) if num_workers is None else int(num_workers)
     if num_workers < 0:
@@ -334,7 +278,7 @@ def count_file_pretoken_bytes(
         path, size, special_tokens, cb, tasks, stop, len(procs), progress, stats
     )
     ok = False
-    total = _new_sink(native)
+    total = new_sink(native)
     try:
         cpu = _collect(readers, procs, path, total)
         feeder.join()
@@ -358,7 +302,7 @@ def count_file_pretoken_bytes(
         tasks.close()
         for r in readers:
             r.close()
-    return collections.Counter(_sink_as_bytes(total))
+    return collections.Counter(sink_as_bytes(total))
 
 
 def _count_in_process(
@@ -370,7 +314,7 @@ def _count_in_process(
     native: bool,
 ) -> collections.Counter:
     """``num_workers=0``: a streaming ``iter_chunks`` loop in this process (same cuts)."""
-    sink = _new_sink(native)
+    sink = new_sink(native)
     offset = 0
     with open(path, "rb") as f:
         for chunk in iter_chunks(f, special_tokens, chunk_bytes):
@@ -380,7 +324,7 @@ def _count_in_process(
             if progress:
                 progress(len(chunk))
     stats.bytes_read = offset
-    return collections.Counter(_sink_as_bytes(sink))
+    return collections.Counter(sink_as_bytes(sink))
 
 
 def _start_workers(
