@@ -8,7 +8,10 @@ Algorithm, one module per step:
 1. **Pre-tokenization (streaming, parallel)** — :mod:`~torchtitan_ext.tokenizer.chunks` cuts
    the file into chunks that pre-tokenize independently (at special tokens, or before a safe
    newline), :mod:`~torchtitan_ext.tokenizer.pretokenize` counts GPT-2 pre-tokens in a pool of
-   worker processes fed byte ranges by a reader thread, one ``Counter`` back per worker.
+   worker processes fed byte ranges by a reader thread, one counter back per worker. The
+   counting is C (``_pretok.c``: GPT-2's pattern unrolled by hand over a character-class table
+   taken from the ``regex`` package, counts in a C hash table), with ``regex.findall`` as the
+   fallback giving identical counts (``pretokenizer=``).
 2. **Merging (unique words only)** — :mod:`~torchtitan_ext.tokenizer.merge`: incremental pair
    counts, an inverted index pair -> words and a lazy-deletion max-heap, ties to the
    lexicographically greatest ``(bytes, bytes)``; in C (``_native.c``) with a pure-Python
@@ -17,13 +20,16 @@ Algorithm, one module per step:
 This module is the public API (:func:`train_bpe`, :func:`train_bpe_from_texts`) and re-exports
 the names of the step modules that callers import from here.
 
-Why hand-written: Hugging Face ``tokenizers``' ``BpeTrainer`` is fast but breaks ties
-differently (so it cannot reproduce CS336's reference merges) and is not streaming; no library
-implements CS336's exact rule. Pre-tokenization, by contrast, uses the ``regex`` package as is.
+Why hand-written: Hugging Face ``tokenizers``' ``BpeTrainer`` and nanochat's ``rustbpe`` are
+fast but break ties differently (so they cannot reproduce CS336's reference merges); no library
+implements CS336's exact rule. The ``regex`` package stays the reference of the pre-tokens: the
+C scanner takes its character classes from it and the tests compare both.
 
-Cost: ``python -m benchmarks bpe`` runs ours (C and Python merge loops, 2 workers) against HF
-``BpeTrainer`` on a 5.2 MB corpus of the shipped public-domain texts at vocab 10k; the figures
-are in ``benchmarks/RESULTS.md`` (section *bpe*).
+Cost: ``python -m benchmarks bpe`` runs ours (C and Python merge loops, C and regex
+pre-tokenizers, 2 workers) against ``rustbpe`` (with GPT-2's pattern: same pre-tokens) and HF
+``BpeTrainer`` at vocab 10k, on a 5.2 MB corpus of the shipped public-domain texts or, with
+``--set corpus_mb=100``, a synthetic 100 MB corpus whose vocabulary grows like natural text's;
+the figures are in ``benchmarks/RESULTS.md`` (section *bpe*).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from torchtitan_ext.tokenizer.pretokenize import (
     GPT2_PATTERN,
     SMALL_FILE_BYTES,
     BPEStats,
+    count_file_pretoken_bytes,
     count_file_pretokens,
     count_pretokens,
     default_workers,
@@ -80,6 +87,7 @@ def train_bpe(
     progress: bool = False,
     stats: BPEStats | None = None,
     mp_context: str | None = None,
+    pretokenizer: str = "auto",
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Train a byte-level BPE tokenizer on a UTF-8 text file (CS336 assignment 1 semantics).
 
@@ -97,6 +105,7 @@ def train_bpe(
         progress: show tqdm progress bars (pre-tokenization bytes, merges).
         stats: a ``BPEStats`` to fill with timings and counts.
         mp_context: multiprocessing start method (default: the platform's).
+        pretokenizer: ``"auto"`` | ``"native"`` (the C scanner) | ``"regex"`` (same results).
 
     Returns:
         ``(vocab, merges)``: ``vocab`` maps id -> token bytes; ``merges`` lists
@@ -120,7 +129,7 @@ def train_bpe(
     st.engine = "python" if (engine == "python" or not native_available()) else "native"
     num_merges = vocab_size - 256 - len(specials)
     words, counts = _pretokenize(
-        path, size, specials, workers, chunk_bytes, progress, st, mp_context
+        path, size, specials, workers, chunk_bytes, progress, st, mp_context, pretokenizer
     )
     pairs = _merge(words, counts, num_merges, engine, progress, st)
     return vocab_from_merges(pairs, specials)
@@ -135,6 +144,7 @@ def _pretokenize(
     progress: bool,
     st: BPEStats,
     mp_context: str | None,
+    pretokenizer: str,
 ) -> tuple[list[bytes], list[int]]:
     """Step 1 of :func:`train_bpe`, timed into ``st``: the unique pre-tokens as UTF-8 words and
     their counts."""
@@ -145,8 +155,15 @@ def _pretokenize(
         bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenize")
     t0 = time.perf_counter()
     try:
-        counter = count_file_pretokens(
-            path, specials, workers, chunk_bytes, bar.update if bar else None, st, mp_context
+        counter = count_file_pretoken_bytes(
+            path,
+            specials,
+            workers,
+            chunk_bytes,
+            bar.update if bar else None,
+            st,
+            mp_context,
+            pretokenizer,
         )
     finally:
         if bar is not None:
@@ -155,7 +172,7 @@ def _pretokenize(
     st.unique_pretokens = len(counter)
     st.pretokens = sum(counter.values())
     t1 = time.perf_counter()
-    words = [w.encode("utf-8") for w in counter]
+    words = list(counter)
     counts = list(counter.values())
     st.merge_s = time.perf_counter() - t1  # building the words counts as merging (BPEStats)
     return words, counts

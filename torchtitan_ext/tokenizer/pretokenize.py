@@ -8,13 +8,20 @@ file data crosses a pipe), decodes, splits on the special tokens (longest first,
 never join a merge), runs GPT-2's pattern with the ``regex`` package (the reference engine
 itself, so the pre-tokens are exact by construction) and counts them in one ``Counter`` across
 all its chunks; it ships that one counter back on its sentinel, so inter-process traffic is one
-dict per worker, not one per chunk. Memory is bounded by one chunk per worker plus the number of
+buffer per worker, not one per chunk. The counting runs in C when ``_pretok`` is built (the
+default, ``pretokenizer="auto"``): a hand-unrolled scanner of the same pattern whose character
+classes are a table built from ``regex`` itself (:func:`~torchtitan_ext.tokenizer.scanner.class_table`), counting into a C hash
+table that a worker ships as one ``dump()`` buffer; ``regex.findall`` is the fallback and the
+reference (identical counts, tests/test_bpe_rustbpe.py). Memory is bounded by one chunk per worker plus the number of
 unique pre-tokens (sub-linear in the corpus, Heaps' law); the mapped pages are clean page cache.
 ``num_workers=0`` counts in-process with a plain streaming reader (``iter_chunks``) that makes
 the same cuts. The reader thread's hand-off and error relay are :mod:`torchtitan_ext.threads`'.
 
 Cost: ``python -m benchmarks bpe`` times pre-tokenization at 1 and 2 workers and in-process
-(``benchmarks/RESULTS.md``, section *bpe*). Why 2 workers stay below 2x, from one run of that
+(``benchmarks/RESULTS.md``, section *bpe*). The C scanner counts ~60-90 MB/s per core on the
+shipped texts (~5x the regex); at 5 MB the pool's fixed cost (fork, queue hand-offs) is then
+larger than the counting, so in-process is as fast as 2 workers there. The figures below are
+the regex path's. Why 2 workers stay below 2x, from one run of that
 benchmark with both cores of the 2-core development box idle (5.2 MB corpus; not in
 RESULTS.md, whose runs were on a shared machine): 0.335 s with 1 worker, 0.183 s with 2 (1.83x;
 1.80-1.85x over the quiet runs), 0.327 s in-process; the regex runs at ~16 MB/s per core, the
@@ -47,14 +54,24 @@ from torchtitan_ext.tokenizer.chunks import (
     iter_chunks,
     split_regex,
 )
+from torchtitan_ext.tokenizer.scanner import (
+    PRETOKENIZERS,
+    check_pretokenizer,
+    native_pretokenizer_available,
+    new_sink,
+    sink_as_bytes,
+)
 
 __all__ = [
     "GPT2_PATTERN",
+    "PRETOKENIZERS",
     "SMALL_FILE_BYTES",
     "BPEStats",
+    "count_file_pretoken_bytes",
     "count_file_pretokens",
     "count_pretokens",
     "default_workers",
+    "native_pretokenizer_available",
 ]
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -104,23 +121,55 @@ def default_workers(size: int | None = None) -> int:
 
 
 def count_pretokens(
-    text: str, special_tokens: list[str], counter: collections.Counter | None = None
+    text: str,
+    special_tokens: list[str],
+    counter: collections.Counter | None = None,
+    pretokenizer: str = "auto",
 ) -> collections.Counter:
-    """Count GPT-2 pre-tokens of ``text`` after removing the special tokens (CS336 semantics)."""
-    counter = collections.Counter() if counter is None else counter
-    findall = _PAT.findall
+    """Count GPT-2 pre-tokens of ``text`` after removing the special tokens (CS336 semantics).
+
+    ``counter`` (str keys) is updated and returned; internally it may also be the C counter
+    (``_pretok.Counter``, bytes keys), which is then filled directly.
+    """
+    if counter is None or isinstance(counter, collections.Counter):
+        out = collections.Counter() if counter is None else counter
+        if not check_pretokenizer(pretokenizer):
+            _count_docs(text, special_tokens, out)
+            return out
+        sink = new_sink(True)
+        try:
+            _count_docs(text, special_tokens, sink)
+        except UnicodeEncodeError:  # lone surrogates: not UTF-8, so only the regex can split them
+            _count_docs(text, special_tokens, out)
+            return out
+        out.update({k.decode("utf-8"): v for k, v in sink.to_dict().items()})
+        return out
+    _count_docs(text, special_tokens, counter)
+    return counter
+
+
+def _count_docs(text: str, special_tokens: list[str], sink) -> None:
+    """Split ``text`` at the special tokens and count each document's pre-tokens into ``sink``
+    (a ``Counter`` of str: ``regex.findall``; a ``_pretok.Counter``: the C scanner)."""
+    if isinstance(sink, collections.Counter):
+        findall = _PAT.findall
+
+        def add(doc: str) -> None:
+            sink.update(findall(doc))
+    else:
+        add = sink.add
     if not special_tokens:
-        counter.update(findall(text))
+        if text:
+            add(text)
     elif len(special_tokens) == 1:
         # str.split scans left to right without overlap, the same as the regex split below
         for doc in text.split(special_tokens[0]):
             if doc:
-                counter.update(findall(doc))
+                add(doc)
     else:
         for doc in split_regex(special_tokens, as_bytes=False).split(text):
             if doc:
-                counter.update(findall(doc))
-    return counter
+                add(doc)
 
 
 def _decode(chunk: bytes, offset: int, path: str) -> str:
@@ -132,10 +181,10 @@ def _decode(chunk: bytes, offset: int, path: str) -> str:
         ) from None
 
 
-def _worker(tasks, result_conn, special_tokens: list[str], path: str) -> None:
-    """Pool worker: read and count every byte range it gets into one Counter; send it on the
-    sentinel. Reading its own ranges (seek + read) keeps file data off the pipes."""
-    counter: collections.Counter = collections.Counter()
+def _worker(tasks, result_conn, special_tokens: list[str], path: str, native: bool) -> None:
+    """Pool worker: read and count every byte range it gets into one counter; send it (bytes
+    keys) on the sentinel. Reading its own ranges (seek + read) keeps file data off the pipes."""
+    counter = new_sink(native)
     cpu0 = time.process_time()
     try:
         with open(path, "rb") as f:
@@ -152,7 +201,10 @@ def _worker(tasks, result_conn, special_tokens: list[str], path: str) -> None:
                         "bytes; was the file truncated while training?)"
                     )
                 count_pretokens(_decode(chunk, start, path), special_tokens, counter)
-        msg = ("ok", (dict(counter), time.process_time() - cpu0))
+        # the C counter ships as one buffer (pickling a dict of ~10^5 keys and adding it key by
+        # key in the parent was the serial tail of a 100 MB run)
+        counts = counter if isinstance(counter, collections.Counter) else counter.dump()
+        msg = ("ok", (counts, time.process_time() - cpu0))
     except BaseException as e:  # relayed to the parent, which re-raises it with the traceback
         msg = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     result_conn.send(msg)
@@ -176,6 +228,7 @@ def count_file_pretokens(
     progress: Callable[[int], None] | None = None,
     stats: BPEStats | None = None,
     mp_context: str | None = None,
+    pretokenizer: str = "auto",
 ) -> collections.Counter:
     """Pre-tokenize a UTF-8 file and count its pre-tokens (step 1 of ``train_bpe``).
 
@@ -183,30 +236,49 @@ def count_file_pretokens(
     the byte ranges through a bounded queue to ``num_workers`` processes that read and count them
     (``0``: a streaming ``iter_chunks`` loop in this process; ``None``: the usable CPUs, or 0 for
     files under ``SMALL_FILE_BYTES``). ``progress`` is called with each chunk's byte count as it
-    is handed out.
+    is handed out. ``pretokenizer``: see :data:`PRETOKENIZERS` (same counts either way).
     Returns a ``Counter`` of pre-token str -> count; special tokens are never counted.
     """
+    counts = count_file_pretoken_bytes(
+        path, special_tokens, num_workers, chunk_bytes, progress, stats, mp_context, pretokenizer
+    )
+    return collections.Counter({k.decode("utf-8"): v for k, v in counts.items()})
+
+
+def count_file_pretoken_bytes(
+    path: str | os.PathLike,
+    special_tokens: list[str] | tuple[str, ...] = (),
+    num_workers: int | None = None,
+    chunk_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    stats: BPEStats | None = None,
+    mp_context: str | None = None,
+    pretokenizer: str = "auto",
+) -> collections.Counter:
+    """:func:`count_file_pretokens` with the pre-tokens as UTF-8 ``bytes`` keys: what the merge
+    loop takes, and what the C counter makes without building a str per pre-token."""
     path = os.fspath(path)
     special_tokens = check_specials(special_tokens)
+    native = check_pretokenizer(pretokenizer)
     size = os.path.getsize(path)
     num_workers = default_workers(size) if num_workers is None else int(num_workers)
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0 or None, got {num_workers}")
     stats = stats if stats is not None else BPEStats()
     cb = _auto_chunk_bytes(size, num_workers, chunk_bytes)
-    total: collections.Counter = collections.Counter()
     stats.workers = num_workers
     if num_workers == 0:
-        return _count_in_process(path, special_tokens, cb, progress, stats)
+        return _count_in_process(path, special_tokens, cb, progress, stats, native)
 
     ctx = mp.get_context(mp_context)
     tasks = ctx.Queue(maxsize=2 * num_workers)  # bounded: the reader never runs far ahead
-    readers, procs = _start_workers(ctx, tasks, num_workers, special_tokens, path)
+    readers, procs = _start_workers(ctx, tasks, num_workers, special_tokens, path, native)
     stop = threading.Event()
     feeder, feed_error = _start_reader(
         path, size, special_tokens, cb, tasks, stop, len(procs), progress, stats
     )
     ok = False
+    total = new_sink(native)
     try:
         cpu = _collect(readers, procs, path, total)
         feeder.join()
@@ -230,7 +302,7 @@ def count_file_pretokens(
         tasks.close()
         for r in readers:
             r.close()
-    return total
+    return collections.Counter(sink_as_bytes(total))
 
 
 def _count_in_process(
@@ -239,22 +311,25 @@ def _count_in_process(
     chunk_bytes: int,
     progress: Callable[[int], None] | None,
     stats: BPEStats,
+    native: bool,
 ) -> collections.Counter:
     """``num_workers=0``: a streaming ``iter_chunks`` loop in this process (same cuts)."""
-    total: collections.Counter = collections.Counter()
+    sink = new_sink(native)
     offset = 0
     with open(path, "rb") as f:
         for chunk in iter_chunks(f, special_tokens, chunk_bytes):
-            count_pretokens(_decode(chunk, offset, path), special_tokens, total)
+            count_pretokens(_decode(chunk, offset, path), special_tokens, sink)
             offset += len(chunk)
             stats.chunks += 1
             if progress:
                 progress(len(chunk))
     stats.bytes_read = offset
-    return total
+    return collections.Counter(sink_as_bytes(sink))
 
 
-def _start_workers(ctx, tasks, num_workers: int, special_tokens: list[str], path: str):
+def _start_workers(
+    ctx, tasks, num_workers: int, special_tokens: list[str], path: str, native: bool
+):
     """Start the pool: ``(result pipe readers, processes)``. One result pipe per worker: the
     worker sends its counter synchronously (no queue thread), and a worker that dies closes its
     end, which the parent sees at once (EOF). A failed start terminates those already started."""
@@ -263,7 +338,9 @@ def _start_workers(ctx, tasks, num_workers: int, special_tokens: list[str], path
     try:
         for _ in range(num_workers):
             r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(tasks, w, special_tokens, path), daemon=True)
+            p = ctx.Process(
+                target=_worker, args=(tasks, w, special_tokens, path, native), daemon=True
+            )
             p.start()
             w.close()  # before the next fork, so only worker i holds pipe i's write end
             readers.append(r)
@@ -321,8 +398,9 @@ def _start_reader(
     return feeder, feed_error
 
 
-def _collect(readers: list, procs: list, path: str, total: collections.Counter) -> list[float]:
-    """Add each worker's counter into ``total`` as it arrives; the CPU seconds each worker spent
+def _collect(readers: list, procs: list, path: str, total) -> list[float]:
+    """Add each worker's counts into ``total`` (a ``Counter`` of str, or the C counter, which
+    takes the workers' ``dump()`` buffers) as they arrive; the CPU seconds each worker spent
     (diagnoses a loaded machine). A worker that died or failed is a RuntimeError naming ``path``."""
     cpu: list[float] = []
     pending = dict(zip(readers, procs, strict=True))
@@ -339,9 +417,12 @@ def _collect(readers: list, procs: list, path: str, total: collections.Counter) 
                 ) from None
             if kind == "error":
                 raise RuntimeError(f"BPE pre-tokenization worker failed on {path}: {payload}")
-            # the first counter is adopted as is (Counter.update's fast path for an empty
-            # self); later ones add key by key (tens of thousands of unique keys each)
+            # Counter of str (regex path): the first one is adopted as is (Counter.update's
+            # fast path for an empty self), later ones add key by key
             counts, cpu_s = payload
-            total.update(counts)
+            if isinstance(counts, bytes):
+                total.merge(counts)
+            else:
+                total.update(counts)
             cpu.append(cpu_s)
     return cpu
