@@ -5,6 +5,8 @@ video, an image and text gives each sample's logits alone and HF's own forward."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -131,7 +133,7 @@ def test_video_count_mismatches_are_named():
 
 
 # --------------------------------------------------------------------------------- real samples
-FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "video"
+FIXTURES = Path(__file__).parent / "fixtures" / "video"
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +399,16 @@ def test_model_wants_video_rows_and_grid_together(models):
             position_ids=torch.zeros(4, 1, 4, dtype=torch.long),
             video_grid_thw=torch.tensor([[2, 2, 2]]),
         )
+
+
+def test_model_refuses_pixels_still_uint8(models, samples, special):
+    """A ``normalize_on="device"`` batch that skipped ``finish_on_device``: transformers would
+    cast the bytes to float silently."""
+    from torchtitan_ext.vl.collate import collate_qwen3_vl
+
+    ours, _ = models
+    inp, _ = collate_qwen3_vl(
+        [pack_of(samples[:1], special)], pad_id=special["pad_id"], normalize_on="device"
+    )
+    with pytest.raises(ValueError, match="uint8 pixel_values_videos.*finish_on_device"):
+        ours(inp.pop("input"), **inp)

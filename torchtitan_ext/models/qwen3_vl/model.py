@@ -187,6 +187,16 @@ class Qwen3VLModel(BaseModel):
             raise ValueError("pixel_values and image_grid_thw must be given together")
         if (pixel_values_videos is None) != (video_grid_thw is None):
             raise ValueError("pixel_values_videos and video_grid_thw must be given together")
+        for name, px in (
+            ("pixel_values", pixel_values),
+            ("pixel_values_videos", pixel_values_videos),
+        ):
+            if px is not None and px.dtype == torch.uint8:
+                # transformers would cast the raw bytes to float without a word
+                raise ValueError(
+                    f"qwen3_vl got uint8 {name}: a normalize_on='device' batch must pass the "
+                    "loader's finish_on_device after its copy"
+                )
         out = self.model(
             input_ids=tokens,
             position_ids=position_ids,
