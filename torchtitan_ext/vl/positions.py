@@ -35,7 +35,7 @@ def frame_grids(video_grid_thw: np.ndarray | None) -> np.ndarray:
 
 def token_kinds(ids: np.ndarray, image_pad_id: int, video_pad_id: int | None) -> np.ndarray:
     """int8 [L]: TEXT, IMAGE or VIDEO per token (``mm_token_type_ids``)."""
-    kind = np.where(ids == image_pad_id, IMAGE, TEXT).astype(np.int8)
+    kind = (ids == image_pad_id).astype(np.int8)  # IMAGE is 1, TEXT 0
     if video_pad_id is not None:
         kind[ids == video_pad_id] = VIDEO
     return kind
@@ -47,11 +47,16 @@ def vision_runs(kind: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, np.nda
     that meets a video run, or a run that meets the next sample's, stays two runs."""
     n = kind.shape[0]
     vis = kind != TEXT
-    prev = np.concatenate(([TEXT], kind[:-1])) if n else kind
-    nxt = np.concatenate((kind[1:], [TEXT])) if n else kind
-    next_first = np.concatenate((first[1:], [True])) if n else first
-    start = np.flatnonzero(vis & (first | (prev != kind)))
-    end = np.flatnonzero(vis & ((nxt != kind) | next_first)) + 1
+    # starts_run[i]: token i is a sample's first or differs in kind from token i - 1
+    starts_run = first.copy()
+    np.logical_or(starts_run[1:], kind[1:] != kind[:-1], out=starts_run[1:])
+    if n:
+        starts_run[0] = True
+    ends_run = np.empty(n, dtype=bool)  # token i + 1 starts a run (or there is none)
+    ends_run[:-1] = starts_run[1:]
+    ends_run[-1:] = True
+    start = np.flatnonzero(vis & starts_run)
+    end = np.flatnonzero(vis & ends_run) + 1
     return start, end
 
 
@@ -62,11 +67,13 @@ def vision_run_grids(
     rows in order, video runs take :func:`frame_grids`' rows in order. Counts that disagree
     raise ``SampleError("placeholder_mismatch")``."""
     img = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-    frames = frame_grids(video_grid_thw)
     is_vid = run_kind == VIDEO
     n_img, n_vid = int((~is_vid).sum()), int(is_vid.sum())
     if n_img != len(img):
         raise SampleError("placeholder_mismatch", f"{n_img} image token runs but {len(img)} images")
+    if n_vid == 0 and (video_grid_thw is None or len(video_grid_thw) == 0):
+        return img  # no video: the common case, kept cheap
+    frames = frame_grids(video_grid_thw)
     if n_vid != len(frames):
         n_videos = 0 if video_grid_thw is None else len(np.asarray(video_grid_thw).reshape(-1, 3))
         raise SampleError(
