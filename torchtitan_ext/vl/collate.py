@@ -18,7 +18,9 @@ Formats
 
     input_ids [B, L], labels [B, L] (unshifted: HF shifts inside the loss), position_ids [4, B, L]
     (row 0 = text position restarting at 0 per sample; rows 1..3 = mRoPE t/h/w),
-    pixel_values float32 [sum N, 1536], image_grid_thw [n_img, 3], use_cache=False
+    pixel_values float32 [sum N, 1536], image_grid_thw [n_img, 3], use_cache=False,
+    pixel_values_videos float32 [sum N_vid, 1536], video_grid_thw [n_vid, 3] (only when a pack
+    holds video: ``vl/video_batch.py``)
 
   ``attention_mask`` is deliberately absent (None): with no mask, no KV cache and position ids
   that restart per sample, transformers builds a block-causal mask from the position ids (its
@@ -47,6 +49,7 @@ configs set it) returns for the same samples (tested against the real collator):
   after the shift the last token of a sample never learns to predict the next sample's first
   token (the collator itself would train it; with chat samples that first token,
   ``<|im_start|>``, is never a target).
+  Images only: a pack holding video is refused with one error naming the format.
   Intentional differences: a batch is padded to its longest pack (a bucket) where the collator
   pads every batch to ``seq_len`` (pass ``pad_to=seq_len`` for its shape), and it never has the
   collator's all-padding dummy rows (every rank's batches are full).
@@ -56,7 +59,8 @@ configs set it) returns for the same samples (tested against the real collator):
 torchtitan's names, so the trainer's ``model(input_dict["input"], **rest)`` is the model call::
 
     input [B, L], position_ids [4, B, L], pixel_values [sum N, 1536] (uint8 [sum N, 768] with
-    normalize_on="device"), image_grid_thw [n_img, 3] (both absent in a text-only batch);
+    normalize_on="device"), image_grid_thw [n_img, 3] (both absent in a text-only batch),
+    pixel_values_videos, video_grid_thw as in "hf" (absent without video);
     labels [B, L] shifted as in "torchtitan" (torchtitan's loss does not shift)
 
 Cost (``python -m benchmarks vl_dataset``, 2-core box, 8113 tokens / 23 images / 27.6k patches):
@@ -76,6 +80,7 @@ from typing import Any, Literal
 import torch
 
 from torchtitan_ext.constants import IGNORE_INDEX
+from torchtitan_ext.vl.video_batch import add_videos, finish_videos, has_video
 
 BatchFormat = Literal["hf", "torchtitan", "qwen3_vl"]
 BATCH_FORMATS: tuple[str, ...] = ("hf", "torchtitan", "qwen3_vl")
@@ -191,9 +196,10 @@ def collate_hf(
     else:
         raise ValueError(f"normalize_on must be 'collate' or 'device', got {normalize_on!r}")
     if batch["image_grid_thw"].shape[0] == 0:
-        # A text-only batch: the model must not see empty vision inputs.
+        # No image: the model must not see empty image inputs.
         batch.pop("pixel_values")
         batch.pop("image_grid_thw")
+    add_videos(batch, packs, mean=norm.mean, std=norm.std, normalize_on=normalize_on)
     return batch
 
 
@@ -260,6 +266,11 @@ def collate_torchtitan(
     """Packs -> ``(input_dict, labels)`` in torchtitan's MultiModalCollator layout."""
     if not packs:
         raise ValueError("collate_torchtitan needs at least one pack")
+    if has_video(packs):
+        raise ValueError(
+            "batch_format 'torchtitan' carries images only and this pack holds video "
+            "(video_grid_thw); use batch_format 'qwen3_vl' or 'hf'"
+        )
     tt_tokens = torchtitan_special_tokens(special_tokens)
     length = batch_length(packs, pad_to)
     tokens = _pad_stack([p["input_ids"] for p in packs], length, tt_tokens["pad_id"])
@@ -365,14 +376,16 @@ def finish_on_device(batch: Any, norm: PixelNorm = PixelNorm()) -> Any:
 
     Accepts either format: an HF kwargs dict with uint8 ``pixel_values`` [N, 768] or a torchtitan
     ``(input_dict, labels)`` with uint8 ``pixel_values`` [n_img, max_patches, 768] (pad rows are
-    set back to exactly 0 like torchtitan's collator, using ``grid_thw``). Batches whose
-    ``pixel_values`` is already float (or absent) pass through unchanged.
+    set back to exactly 0 like torchtitan's collator, using ``grid_thw``). A uint8
+    ``pixel_values_videos`` is normalised with the video formula (``vl/video_batch.py``).
+    Tensors already float (or absent) pass through unchanged.
     """
     if isinstance(batch, tuple):
         input_dict, labels = batch
         return finish_on_device(input_dict, norm), labels
     if not isinstance(batch, dict):
         return batch
+    finish_videos(batch, mean=norm.mean, std=norm.std)
     u8 = batch.get("pixel_values")
     if not isinstance(u8, torch.Tensor) or u8.dtype != torch.uint8:
         return batch

@@ -7,10 +7,11 @@ their HF names (``model`` = vision tower + language model, ``lm_head``), so its 
 *are* the keys of a Hugging Face checkpoint (``model.language_model.layers.0...``,
 ``model.visual.blocks.0...``, ``lm_head.weight``), and adds what torchtitan's trainer needs:
 
-- ``forward(tokens, *, position_ids, pixel_values=None, image_grid_thw=None)`` -> logits
-  ``[B, L, V]`` (hidden states when a ``ChunkedLossWrapper`` set ``_skip_lm_head``). The trainer
-  calls it as ``model(input_dict["input"], **rest_of_input_dict)``, which is exactly what the
-  ``cached_vl`` loader's ``batch_format = "qwen3_vl"`` yields.
+- ``forward(tokens, *, position_ids, pixel_values=None, image_grid_thw=None,
+  pixel_values_videos=None, video_grid_thw=None)`` -> logits ``[B, L, V]`` (hidden states when
+  a ``ChunkedLossWrapper`` set ``_skip_lm_head``). The trainer calls it as
+  ``model(input_dict["input"], **rest_of_input_dict)``, which is exactly what the ``cached_vl``
+  loader's ``batch_format = "qwen3_vl"`` yields.
 - ``init_states``: HF's own ``_init_weights`` on every module (seeded by torchtitan), including
   the rotary ``inv_freq`` buffers that a meta-device build leaves empty.
 - ``Config.get_nparams_and_flops`` for torchtitan's MFU (language model only, active experts).
@@ -18,8 +19,8 @@ their HF names (``model`` = vision tower + language model, ``lm_head``), so its 
 Packed samples stay independent: ``attention_mask`` is never passed, ``use_cache`` is off and
 row 0 of ``position_ids`` restarts at 0 for every sample, so transformers builds a causal mask
 that is also block-diagonal per sample (its packed-sequence detection in ``create_causal_mask``);
-the vision tower attends within each image (``cu_seqlens`` from ``image_grid_thw``); mRoPE rows
-1-3 restart per sample too. ``tests/test_qwen3_vl_train.py`` checks a pack's logits through the
+the vision tower attends within each image and each video frame (``cu_seqlens`` from
+``image_grid_thw`` / ``video_grid_thw``); mRoPE rows 1-3 restart per sample too. ``tests/test_qwen3_vl_train.py`` checks a pack's logits through the
 torchtitan-built model against its samples run alone.
 """
 
@@ -174,6 +175,8 @@ class Qwen3VLModel(BaseModel):
         position_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if position_ids.dim() != 3 or position_ids.shape[0] != 4:
             raise ValueError(
@@ -182,11 +185,25 @@ class Qwen3VLModel(BaseModel):
             )
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw must be given together")
+        if (pixel_values_videos is None) != (video_grid_thw is None):
+            raise ValueError("pixel_values_videos and video_grid_thw must be given together")
+        for name, px in (
+            ("pixel_values", pixel_values),
+            ("pixel_values_videos", pixel_values_videos),
+        ):
+            if px is not None and px.dtype == torch.uint8:
+                # transformers would cast the raw bytes to float without a word
+                raise ValueError(
+                    f"qwen3_vl got uint8 {name}: a normalize_on='device' batch must pass the "
+                    "loader's finish_on_device after its copy"
+                )
         out = self.model(
             input_ids=tokens,
             position_ids=position_ids,
             pixel_values=pixel_values,
             image_grid_thw=image_grid_thw,
+            pixel_values_videos=pixel_values_videos,
+            video_grid_thw=video_grid_thw,
             use_cache=False,
         )
         hidden = out.last_hidden_state
