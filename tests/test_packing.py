@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.text.packing import (
     _FINISH_CANDIDATES,
-    IGNORE_INDEX,
     BestFitPacker,
     ConcatSplitPacker,
     PackedRow,

@@ -92,98 +92,20 @@ later. Rows after ``load_state_dict`` are bitwise identical to an uninterrupted 
 from __future__ import annotations
 
 from bisect import bisect_right, insort
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
-from torchtitan_ext.constants import IGNORE_INDEX
+from torchtitan_ext.text.concat_split import ConcatSplitPacker
+from torchtitan_ext.text.packed_rows import PackedRow, RowCounters, as_doc, pct, row_to_example
+
+__all__ = ["BestFitPacker", "ConcatSplitPacker", "PackedRow", "make_packer", "row_to_example"]
 
 _MAXSEQ = 1 << 62  # larger than any insertion number: bisect sentinel
 _FINISH_CANDIDATES = 16  # fitting documents tried for a row's last step (see the module docstring)
 
 BestFitMode = Literal["crop", "zero_discard"]
-
-
-@dataclass
-class PackedRow:
-    """One packed row. Unpacks like a tuple: ``tokens, positions = packer.pop_row()``."""
-
-    tokens: np.ndarray
-    """int64 ``[seq_len + 1]``; after ``valid`` the row is padding (``pad_id``)."""
-    positions: np.ndarray
-    """int64 ``[seq_len + 1]``; 0 at every document start and at the row start."""
-    valid: int
-    """Number of real tokens; ``seq_len + 1`` except for a final partial row of a finite stream."""
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        yield self.tokens
-        yield self.positions
-
-
-def row_to_example(row: PackedRow) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(input, labels, positions)``, each ``[seq_len]``: input/positions = row[:-1], labels =
-    row[1:] with padding labels set to ``IGNORE_INDEX``."""
-    inp = row.tokens[:-1]
-    labels = row.tokens[1:].copy()
-    if row.valid < len(row.tokens):
-        # label j predicts token j+1; token j+1 is padding once j+1 >= valid
-        labels[max(row.valid - 1, 0) :] = IGNORE_INDEX
-    return inp, labels, row.positions[:-1]
-
-
-def _as_doc(doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(doc_ids, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
-    return arr
-
-
-class _Counters:
-    """Shared bookkeeping. Invariant (checked in tests):
-    ``tokens_in + bos_inserted + boundary_tokens + tokens_carried ==
-    tokens_out + tokens_cropped + buffered_tokens``."""
-
-    _FIELDS = (
-        "rows",
-        "docs_in",
-        "tokens_in",
-        "tokens_out",
-        "tokens_cropped",
-        "docs_cropped",
-        "bos_inserted",
-        "boundary_tokens",
-        "pad_tokens",
-        "tokens_carried",
-    )
-
-    def __init__(self) -> None:
-        for f in self._FIELDS:
-            setattr(self, f, 0)
-
-    def state(self) -> dict[str, int]:
-        return {f: int(getattr(self, f)) for f in self._FIELDS}
-
-    def load(self, state: dict[str, Any]) -> None:
-        for f in self._FIELDS:
-            setattr(self, f, int(state[f]))
-
-    def finish_row(
-        self, tokens: np.ndarray, positions: np.ndarray, filled: int, R: int, pad_id: int
-    ) -> int:
-        """Pad the rest of a row of ``R`` (``positions`` 0) and count it; returns ``filled``."""
-        if filled < R:
-            tokens[filled:] = pad_id
-            positions[filled:] = 0
-        self.rows += 1
-        self.tokens_out += filled
-        self.pad_tokens += R - filled
-        return filled
-
-
-def _pct(num: int, den: int) -> float:
-    return 100.0 * num / den if den else 0.0
 
 
 class BestFitPacker:
@@ -228,12 +150,12 @@ class BestFitPacker:
         # an O(1) "is there a document of exactly this length" for a row's last step.
         self._len_count = [0] * self.row_len
         self._arange = np.arange(self.row_len, dtype=np.int64)
-        self.c = _Counters()
+        self.c = RowCounters()
 
     # ------------------------------------------------------------------ feeding
     def add(self, doc_ids: Sequence[int] | np.ndarray) -> None:
         """Buffer one tokenized document; it must start with BOS (rows are BOS-aligned)."""
-        arr = _as_doc(doc_ids)
+        arr = as_doc(doc_ids)
         if arr.size == 0:
             raise ValueError("empty document (callers skip and count empty documents)")
         if arr[0] != self.bos_id:
@@ -400,150 +322,8 @@ class BestFitPacker:
             **c.state(),
             "buffered_docs": len(self._keys),
             "buffered_tokens": self._buffered_tokens,
-            "crop_pct": _pct(c.tokens_cropped, c.tokens_in),
-            "fill_pct": _pct(c.tokens_out, c.rows * self.row_len),
-        }
-
-
-class ConcatSplitPacker:
-    """Concatenate documents (optionally each followed by ``boundary_id``) and cut windows of
-    ``seq_len + 1`` tokens. ``overlap=False`` (default) matches torchtitan's HuggingFaceTextDataset."""
-
-    def __init__(
-        self,
-        seq_len: int,
-        boundary_id: int | None = None,
-        overlap: bool = False,
-        pad_id: int = 0,
-    ) -> None:
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.seq_len = seq_len
-        self.row_len = seq_len + 1
-        self.boundary_id = boundary_id
-        self.overlap = overlap
-        self.pad_id = int(pad_id)
-        # Pending document segments, in order; each restarts positions at 0.
-        self._segs: list[np.ndarray] = []
-        self._head = 0  # index of the first live segment (popping from the front is O(1))
-        self._buffered_tokens = 0
-        self._arange = np.arange(self.row_len, dtype=np.int64)
-        self.c = _Counters()
-
-    def add(self, doc_ids: Sequence[int] | np.ndarray) -> None:
-        arr = _as_doc(doc_ids)
-        if arr.size == 0 and self.boundary_id is None:
-            raise ValueError("empty document (callers skip and count empty documents)")
-        self.c.docs_in += 1
-        self.c.tokens_in += int(arr.size)
-        if self.boundary_id is not None:
-            arr = np.append(arr, np.int64(self.boundary_id))
-            self.c.boundary_tokens += 1
-        self._segs.append(arr)
-        self._buffered_tokens += int(arr.size)
-
-    def ready(self) -> bool:
-        return self._buffered_tokens >= self.row_len
-
-    def has_pending(self) -> bool:
-        # With overlap, a lone carried-over token is not new data worth a row.
-        return self._buffered_tokens > (1 if self.overlap and self.c.rows else 0)
-
-    def pop_row(self, final: bool = False) -> PackedRow:
-        tokens = np.empty(self.row_len, dtype=np.int64)
-        positions = np.empty(self.row_len, dtype=np.int64)
-        valid = self.pop_row_into(tokens, positions, final)
-        return PackedRow(tokens, positions, valid)
-
-    def pop_row_into(self, tokens: np.ndarray, positions: np.ndarray, final: bool = False) -> int:
-        R = self.row_len
-        if not final and self._buffered_tokens < R:
-            raise RuntimeError(
-                f"pop_row: only {self._buffered_tokens} tokens buffered, need {R} (check ready())"
-            )
-        filled = 0
-        split_last = False  # the row ended inside a segment (its rest is still queued)
-        while filled < R and self._head < len(self._segs):
-            seg = self._segs[self._head]
-            take = min(int(seg.size), R - filled)
-            tokens[filled : filled + take] = seg[:take]
-            positions[filled : filled + take] = self._arange[:take]
-            filled += take
-            if take == seg.size:
-                self._segs[self._head] = None  # type: ignore[call-overload]
-                self._head += 1
-            else:
-                self._segs[self._head] = seg[take:]
-                split_last = True
-            self._buffered_tokens -= take
-        if self.overlap and filled == R:
-            # Carry the last token over as the first of the next window: it was a label here and
-            # becomes an input there, so every token is a label exactly once. If its document
-            # continues, the carried token joins that piece (one position run, not two).
-            carry = tokens[-1:].copy()
-            if split_last:
-                self._segs[self._head] = np.concatenate([carry, self._segs[self._head]])
-            elif self._head > 0:
-                self._head -= 1
-                self._segs[self._head] = carry
-            else:
-                self._segs.insert(0, carry)
-            self._buffered_tokens += 1
-            self.c.tokens_carried += 1
-        if self._head > 1024 and self._head * 2 > len(self._segs):
-            self._segs = self._segs[self._head :]
-            self._head = 0
-        return self.c.finish_row(tokens, positions, filled, R, self.pad_id)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Cheap immutable capture (segments are replaced, never modified in place)."""
-        return {
-            "segs": [x for x in self._segs[self._head :] if x is not None],
-            "counters": self.c.state(),
-        }
-
-    def state_from_snapshot(self, snap: dict[str, Any]) -> dict[str, Any]:
-        live = snap["segs"]
-        return {
-            "kind": 2,
-            "row_len": self.row_len,
-            "lengths": np.array([x.size for x in live], dtype=np.int64),
-            "tokens": np.concatenate(live) if live else np.zeros(0, dtype=np.int64),
-            "counters": dict(snap["counters"]),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state_from_snapshot(self.snapshot())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["kind"]) != 2 or int(state["row_len"]) != self.row_len:
-            raise ValueError(
-                f"packer state is for kind={int(state['kind'])} row_len={int(state['row_len'])}, "
-                f"this packer is kind=2 row_len={self.row_len}"
-            )
-        lengths = np.asarray(state["lengths"], dtype=np.int64)
-        flat = np.asarray(state["tokens"], dtype=np.int64)
-        if int(lengths.sum()) != flat.size:
-            raise ValueError(
-                f"packer state: lengths sum {int(lengths.sum())} != {flat.size} tokens"
-            )
-        self._segs = []
-        off = 0
-        for n in lengths:
-            self._segs.append(flat[off : off + int(n)].copy())
-            off += int(n)
-        self._head = 0
-        self._buffered_tokens = int(flat.size)
-        self.c.load(state["counters"])
-
-    def stats(self) -> dict[str, float]:
-        c = self.c
-        return {
-            **c.state(),
-            "buffered_docs": len(self._segs) - self._head,
-            "buffered_tokens": self._buffered_tokens,
-            "crop_pct": _pct(c.tokens_cropped, c.tokens_in),
-            "fill_pct": _pct(c.tokens_out, c.rows * self.row_len),
+            "crop_pct": pct(c.tokens_cropped, c.tokens_in),
+            "fill_pct": pct(c.tokens_out, c.rows * self.row_len),
         }
 
 

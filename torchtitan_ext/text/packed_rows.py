@@ -1,0 +1,95 @@
+"""What every packer shares: the packed row, its split into a training example, the document
+check and the row counters (whose invariant every packer keeps; ``text/packing.py`` documents
+the packers, ``text/concat_split.py`` the plain one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torchtitan_ext.constants import IGNORE_INDEX
+
+
+@dataclass
+class PackedRow:
+    """One packed row. Unpacks like a tuple: ``tokens, positions = packer.pop_row()``."""
+
+    tokens: np.ndarray
+    """int64 ``[seq_len + 1]``; after ``valid`` the row is padding (``pad_id``)."""
+    positions: np.ndarray
+    """int64 ``[seq_len + 1]``; 0 at every document start and at the row start."""
+    valid: int
+    """Number of real tokens; ``seq_len + 1`` except for a final partial row of a finite stream."""
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        yield self.tokens
+        yield self.positions
+
+
+def row_to_example(row: PackedRow) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(input, labels, positions)``, each ``[seq_len]``: input/positions = row[:-1], labels =
+    row[1:] with padding labels set to ``IGNORE_INDEX``."""
+    inp = row.tokens[:-1]
+    labels = row.tokens[1:].copy()
+    if row.valid < len(row.tokens):
+        # label j predicts token j+1; token j+1 is padding once j+1 >= valid
+        labels[max(row.valid - 1, 0) :] = IGNORE_INDEX
+    return inp, labels, row.positions[:-1]
+
+
+def as_doc(doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A document as int64 ids (1-D), or ValueError naming its shape."""
+    arr = np.asarray(doc_ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+    return arr
+
+
+class RowCounters:
+    """Shared bookkeeping. Invariant (checked in tests):
+    ``tokens_in + bos_inserted + boundary_tokens + tokens_carried ==
+    tokens_out + tokens_cropped + buffered_tokens``."""
+
+    _FIELDS = (
+        "rows",
+        "docs_in",
+        "tokens_in",
+        "tokens_out",
+        "tokens_cropped",
+        "docs_cropped",
+        "bos_inserted",
+        "boundary_tokens",
+        "pad_tokens",
+        "tokens_carried",
+    )
+
+    def __init__(self) -> None:
+        for f in self._FIELDS:
+            setattr(self, f, 0)
+
+    def state(self) -> dict[str, int]:
+        return {f: int(getattr(self, f)) for f in self._FIELDS}
+
+    def load(self, state: dict[str, Any]) -> None:
+        for f in self._FIELDS:
+            setattr(self, f, int(state[f]))
+
+    def finish_row(
+        self, tokens: np.ndarray, positions: np.ndarray, filled: int, R: int, pad_id: int
+    ) -> int:
+        """Pad the rest of a row of ``R`` (``positions`` 0) and count it; returns ``filled``."""
+        if filled < R:
+            tokens[filled:] = pad_id
+            positions[filled:] = 0
+        self.rows += 1
+        self.tokens_out += filled
+        self.pad_tokens += R - filled
+        return filled
+
+
+def pct(num: int, den: int) -> float:
+    """``100 * num / den``, 0 for an empty denominator."""
+    return 100.0 * num / den if den else 0.0
