@@ -13,6 +13,8 @@ module is their one home:
   return); the stop is checked before every attempt, so nothing is handed over after it. Any
   queue with ``put(item, timeout=)`` raising ``queue.Full`` and ``get(timeout=)`` raising
   ``queue.Empty`` works (``queue.Queue``, ``multiprocessing`` queues).
+* :func:`exit_with_parent` — a DataLoader ``worker_init_fn`` after which no worker process
+  outlives its training process (a SIGKILLed job's workers used to stay).
 * :func:`relay` — the consumer re-raises a worker's exception as the *same* object. Why: its
   type survives (callers catch ``BadInputError``, ``DataloaderExhaustedError``), and so does its
   traceback, which still holds the worker's frames (raising it again appends the consumer's).
@@ -119,3 +121,24 @@ def join(
             "".join(where).rstrip("\n"),
         )
     return alive
+
+
+def exit_with_parent(worker_id: int = 0, poll_s: float = 1.0) -> None:
+    """A DataLoader ``worker_init_fn``: the worker process ends (``os._exit``) within ``poll_s``
+    of its parent's death. Why: after the training process is SIGKILLed, torch's own watchdog
+    runs only between items, and a worker blocked handing one over (its parent gone) stayed
+    alive for ever, holding its memory (seen: two streaming workers of a killed job, 19 minutes
+    later). A daemon thread that polls the parent's pid does not depend on what the worker's
+    main thread is blocked in. (``prctl(PR_SET_PDEATHSIG)`` would fire on the death of the
+    *thread* that forked the worker, which may be a loader thread that is merely restarted.)"""
+    import os
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -37,6 +37,7 @@ from torchtitan_ext.text.stream_stages import (
     slot_stats,
 )
 from torchtitan_ext.text.tokenize import TextTokenizer
+from torchtitan_ext.threads import exit_with_parent
 
 
 @dataclass
@@ -124,7 +125,8 @@ class WorkerChains(Stage[Any]):
         if self._it is None:
             ds = _Workers(self.spec, self.slots, self.nslots, list(self.states), self.next_worker)
             n = len(self.slots)
-            kw: dict[str, Any] = {"num_workers": n, "pin_memory": self.pin_memory}
+            kw: dict[str, Any] = {"num_workers": n, "pin_memory": self.pin_memory,
+                                  "worker_init_fn": exit_with_parent}  # fmt: skip
             if self.prefetch_factor is not None:
                 kw["prefetch_factor"] = self.prefetch_factor
             self._it = iter(DataLoader(ds, batch_size=None, collate_fn=_as_is, **kw))

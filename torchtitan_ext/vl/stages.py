@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchtitan_ext.pipeline.stage import Stage, State
+from torchtitan_ext.threads import exit_with_parent
 from torchtitan_ext.vl.dataset import CachedVLDataset, fetch_pack, position, rounds_left
 from torchtitan_ext.vl.options import WorkerOptions
 
@@ -201,6 +202,7 @@ class WorkerBatches(Stage[Any]):
 
     def _start(self) -> Any:
         kw: dict[str, Any] = {"num_workers": self.workers.num_workers}
+        kw["worker_init_fn"] = exit_with_parent  # no worker outlives a killed job
         if self.workers.prefetch_factor is not None:
             kw["prefetch_factor"] = self.workers.prefetch_factor
         loader = DataLoader(
