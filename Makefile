@@ -4,7 +4,7 @@
 #   make test   : venv + install, then the test suite (random order, HOME must stay empty)
 #   make test-alone : every test in its own pytest process (slow: ~45 min on 2 cores with PYTEST_ARGS="-j 2")
 #   make bench-results : every benchmark, then benchmarks/RESULTS.md
-#   make gpu-check : the GPU acceptance run (CUDA tests, staging, Qwen3-VL compile/sdpa/flex, a 2B
+#   make gpu-check : the GPU acceptance run (CUDA tests, staging, Qwen3-VL eager/compiled, text resume, a 2B
 #                    flavor's step time, MFU, data wait, memory); says so and exits 0 without CUDA
 SHELL := /bin/bash
 PYTHON ?= python3
