@@ -205,7 +205,7 @@ class MixedVLDataset(IterableDataset):
         for j, (item, _) in enumerate(items):
             if (j // self.block_size) % n != wid:
                 continue  # another worker's block
-            pack = dict(caches[item.source].pack(item.index))
+            pack = fetch_pack(caches[item.source], item.index)
             pack["pack_index"] = torch.tensor(item.index, dtype=torch.int64)
             pack["mix_source"] = item.source
             yield pack
