@@ -222,12 +222,17 @@ def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_reweighting_or_adding_a_source_decodes_no_image_of_the_others(
-    env: Any, monkeypatch: pytest.MonkeyPatch
+    env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
+    from torchtitan_ext.vl.sample_data import sample_dataset_path
+
+    # the added source is this test's own (n=5 is no other test's data): under random order
+    # another test may already have built the shared "vqa2" store
+    added_path = sample_dataset_path(n=5, root=tmp_path / "added")
     calls = _decodes(monkeypatch)
     build(env, mix(env, vqa=1, chat=5), build_if_missing=True).close()
     assert calls == [], "re-weighting re-processed images"
-    extra = {"vqa2": {"weight": 1.0, "path": str(env["vqa2"])}}
+    extra = {"vqa2": {"weight": 1.0, "path": str(added_path)}}
     ld = build(env, mix(env, **extra), build_if_missing=True)
     ld.close()
     assert len(ld.reader.cache_paths) == 3
