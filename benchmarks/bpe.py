@@ -27,8 +27,11 @@ greatest-bytes rule), so its merges are not ours; its run with ``vocab_size=256`
 gives its pre-tokenization+counting time, the rest of its total is merging.
 
 Options (``--set key=value``): ``mb`` shipped-corpus size (default 5.2; quick: 0.3),
-``corpus_mb`` use the synthetic corpus of this size instead, ``vocab`` (10000; quick: 1000),
-``workers`` worker count for the "ours" totals (default 2).
+``corpus_mb`` use the synthetic corpus of this size instead, ``also_mb`` after the shipped-corpus
+rows, the training rows again on the synthetic corpus of this size, tagged ``[N MB]`` (default
+100, so one run shows both sizes; 0 skips it; quick: 0), ``big_repeats`` repeats on that corpus
+(default 3), ``vocab`` (10000; quick: 1000), ``workers`` worker count for the "ours" totals
+(default 2).
 """
 
 from __future__ import annotations
@@ -107,17 +110,29 @@ def run(args: BenchArgs) -> list[Row]:
 
 
 def _run(args: BenchArgs, path: str) -> list[Row]:
+    mb = float(args.extra.get("mb", 0.3 if args.quick else 5.2))
+    big = args.extra.get("corpus_mb")
+    also = float(args.extra.get("also_mb", 0 if args.quick or big is not None else 100))
+    rows = _corpus_rows(args, path, mb, big)
+    if also > 0:  # the same training rows on the large corpus, tagged with its size
+        rows += _corpus_rows(args, path, mb, also, tag=f" [{also:g} MB]")
+    return rows
+
+
+def _corpus_rows(
+    args: BenchArgs, path: str, mb: float, big: str | float | None, tag: str = ""
+) -> list[Row]:
+    """All rows on one corpus: the shipped texts (``big`` None) or the synthetic one of ``big``
+    MB (training rows only); ``tag`` is appended to every case name."""
     from torchtitan_ext.tokenizer.bpe import native_available
     from torchtitan_ext.tokenizer.pretokenize import native_pretokenizer_available
 
-    mb = float(args.extra.get("mb", 0.3 if args.quick else 5.2))
-    big = args.extra.get("corpus_mb")
     vocab = int(args.extra.get("vocab", 1000 if args.quick else 10000))
     workers = int(args.extra.get("workers", 2))
     repeats = 1 if args.quick else args.repeats
     warmup = 0 if args.quick else args.warmup
-
     if big is not None:
+        repeats = min(repeats, int(args.extra.get("big_repeats", 3)))
         from benchmarks.bpe_corpus import write_corpus
 
         size = write_corpus(path, int(float(big) * 1e6), _shipped_texts())
@@ -131,7 +146,7 @@ def _run(args: BenchArgs, path: str) -> list[Row]:
     rows: list[Row] = []
     if big is None:
         rows += _pretok_rows(args, path, repeats, warmup)
-    rows += _train_rows(args, path, vocab, workers, repeats, warmup, info, big is None)
+    rows += _train_rows(args, path, vocab, workers, repeats, warmup, info, big is None, tag)
     return rows
 
 
@@ -209,6 +224,7 @@ def _train_rows(
     warmup: int,
     info: dict,
     small: bool,
+    tag: str = "",
 ) -> list[Row]:
     """Whole training, interleaved: ours (C scanner or regex pre-tokenizer; C or Python merges),
     rustbpe (GPT-2 and GPT-4 patterns; no merges = its pre-tokenization), HF BpeTrainer."""
@@ -256,23 +272,23 @@ def _train_rows(
     if have_rust:
         rinfo = {**info, "RAYON_NUM_THREADS": os.environ.get("RAYON_NUM_THREADS"),
                  "vocab_size": rust_vocab}  # fmt: skip
-        rust_row = row_from("rustbpe, GPT-2 pattern (total)", t["rust2"], "s", group="train",
+        rust_row = row_from("rustbpe, GPT-2 pattern (total)" + tag, t["rust2"], "s", group="train",
                             info=rinfo, note="ties broken by rustbpe's own order, not CS336's")  # fmt: skip
-        pre = row_from("rustbpe, GPT-2 pattern, pre-tokenize+count only (0 merges)",
+        pre = row_from("rustbpe, GPT-2 pattern, pre-tokenize+count only (0 merges)" + tag,
                        t["rust2_pre"], "s", group="train")  # fmt: skip
         rust_row.info["pretokenize_s"] = pre.value
         rust_row.info["merge_s"] = rust_row.value - pre.value
         rows += [rust_row, pre]
-        rows.append(row_from("rustbpe as shipped, GPT-4 pattern (total)", t["rust4"], "s",
+        rows.append(row_from("rustbpe as shipped, GPT-4 pattern (total)" + tag, t["rust4"], "s",
                              group="train", note="other pre-tokens: not like for like"))  # fmt: skip
     hf_row = None
     if small:
-        hf_row = row_from("HF tokenizers BpeTrainer (total)", t["hf"], "s", group="train",
+        hf_row = row_from("HF tokenizers BpeTrainer (total)" + tag, t["hf"], "s", group="train",
                           info={**info, "TOKENIZERS_PARALLELISM":
                                 os.environ.get("TOKENIZERS_PARALLELISM")})  # fmt: skip
         rows.append(hf_row)
     for engine in engines:
-        row = row_from(f"ours train_bpe {engine} merges, {workers} workers", t[engine], "s",
+        row = row_from(f"ours train_bpe {engine} merges, {workers} workers{tag}", t[engine], "s",
                        group="train", info={**info, **stats_info(engine)})  # fmt: skip
         rows.append(row)
         if hf_row is not None:
@@ -295,13 +311,15 @@ def _train_rows(
             row.target = "ratio>=1.0"  # time(ours) <= time(HF)
             row.met = row.ratio >= 1.0
     if "regex" in fns:
-        row = row_from(f"ours train_bpe {engines[0]} merges, regex pre-tokenizer (before)",
+        row = row_from(f"ours train_bpe {engines[0]} merges, regex pre-tokenizer (before){tag}",
                        t["regex"], "s", group="train", info=stats_info("regex"))  # fmt: skip
         rows.append(row)
         row.info["identical_merges_to_c_scanner"] = last["regex"][0] == last[engines[0]][0]
-        main = f"ours train_bpe {engines[0]} merges, {workers} workers"
+        main = f"ours train_bpe {engines[0]} merges, {workers} workers{tag}"
         compare(rows, row.case, rust_row.case if rust_row is not None else main)
     if len(engines) == 2:
-        py_row = next(r for r in rows if r.case.startswith("ours train_bpe python"))
+        py_row = next(
+            r for r in rows if r.case.startswith("ours train_bpe python") and r.case.endswith(tag)
+        )
         py_row.info["identical_merges_to_native"] = last["native"][0] == last["python"][0]
     return rows
