@@ -16,12 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_ext.peek import (
+from torchtitan_ext.peek import main
+from torchtitan_ext.peek_files import (
     META_KEY,
     flatten_batch,
     load_batches,
     load_state,
-    main,
     save_state,
 )
 from torchtitan_ext.registry import _BUILTIN, available_loaders, register_loader

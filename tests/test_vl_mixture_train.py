@@ -35,7 +35,7 @@ def test_tiny_qwen3_vl_trains_on_the_mixture_example(tmp_path: Path) -> None:
     assert re.search(r"step:\s+3\s+loss", log), log[-3000:]
     run("torchtitan_ext.peek", "--batches", "8", "--out", str(tmp_path / "b.npz"),
         "--pixels", "sha256")  # fmt: skip
-    from torchtitan_ext.peek import load_batches
+    from torchtitan_ext.peek_files import load_batches
 
     _, meta = load_batches(tmp_path / "b.npz")
     stats = meta["stats"]

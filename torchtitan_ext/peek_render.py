@@ -1,6 +1,6 @@
 """Decode (``peek --show``) and draw (``peek --render``) the batches of any loader.
 
-Works on the flattened batch (:func:`torchtitan_ext.peek.flatten_batch`), so it does not care which
+Works on the flattened batch (:func:`torchtitan_ext.peek_files.flatten_batch`), so it does not care which
 loader made it:
 
 * tokens: ``input`` (torchtitan) or ``input_ids`` (Hugging Face kwargs); labels: ``labels``;
