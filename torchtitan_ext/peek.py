@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from torchtitan_ext.loaders.integration import loader_stats, read_stats
-    from torchtitan_ext.peek_render import mix_summary
+    from torchtitan_ext.peek_view import mix_summary
 
     name = loader_name(target)
     loader = None
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             f"local_batch_size={cfg.training.local_batch_size}"
         )
         if ns.show or ns.render:
-            from torchtitan_ext.peek_render import BatchView, Shower
+            from torchtitan_ext.peek_view import BatchView, Shower
 
             view = BatchView.for_loader(loader, tokenizer)
             if ns.show:
