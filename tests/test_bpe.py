@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import torchtitan_ext
-from torchtitan_ext.tokenizer import merge, pretokenize
+from torchtitan_ext.tokenizer import merge, pretok_pool, pretokenize
 from torchtitan_ext.tokenizer.bpe import (
     BPEStats,
     count_file_pretokens,
@@ -374,7 +374,7 @@ def _bounds_then_fail(mm, special_tokens, chunk_bytes):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs the fork start method")
 def test_reader_thread_error_is_reraised_with_its_traceback(tmp_path, monkeypatch):
-    monkeypatch.setattr(pretokenize, "iter_chunk_bounds", _bounds_then_fail)
+    monkeypatch.setattr(pretok_pool, "iter_chunk_bounds", _bounds_then_fail)
     p = tmp_path / "x.txt"
     p.write_text(("some text " * 200 + EOT) * 4, encoding="utf-8")
     with pytest.raises(OSError, match="the disk went away") as ei:
