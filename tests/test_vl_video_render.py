@@ -196,3 +196,42 @@ def test_a_pack_with_zero_videos_renders_as_one_without_video_keys(parts, specia
     a = render_pack(FakeCache([plain], special), 0, tmp_path / "a.png")
     b = render_pack(FakeCache([empty], special), 0, tmp_path / "b.png")
     assert np.array_equal(np.asarray(Image.open(a)), np.asarray(Image.open(b)))
+
+
+def test_patchify_gives_the_same_bytes_from_either_memory_layout():
+    """patchify_video cuts channels-first frames (resize_frames' output) in that layout: the
+    rows equal those of the same frames stored channels-last, padded or not."""
+    rng = np.random.default_rng(1)
+    o = VideoOptions()
+    for n in (4, 5):
+        nchw = rng.integers(0, 256, (n, 3, 64, 96), dtype=np.uint8)
+        view = nchw.transpose(0, 2, 3, 1)  # NHWC view of NCHW memory, as resize_frames returns
+        a, ga = patchify_video(view, o)
+        b, gb = patchify_video(np.ascontiguousarray(view), o)
+        assert ga == gb == (-(-n // 2), 4, 6) and np.array_equal(a, b)
+        assert np.array_equal(video_frames(a, ga)[:n], view)
+
+
+# ============================================================ the benchmark
+def test_benchmark_vl_video_quick_smoke():
+    from benchmarks.__main__ import available
+    from benchmarks.common import BenchArgs
+    from benchmarks.vl_video import run
+
+    assert "vl_video" in available()
+    rows = {r.case: r for r in run(BenchArgs(repeats=1, warmup=0, quick=True, noise_tol=0))}
+    big = "[320x180 2 s 30 fps]"
+    ours = rows[f"ours: decode + process to uint8 {big}"]
+    assert ours.unit == "frames/s" and ours.value > 0 and ours.info["source_frames"] == 60
+    assert ours.baseline == f"decode floor: PyAV decode of the sampled frames {big}"
+    hf = rows[f"HF Qwen3VLVideoProcessor (PyAV reader), float32 {big}"]
+    if hf.note.startswith("n/a"):  # no torchvision here: the row says why, nothing is compared
+        assert "torchvision" in hf.note and rows[f"ours -> float32 {big}"].baseline is None
+    else:
+        assert hf.note == "output equal to ours -> float32" and hf.value > 0
+    steps = [r for r in rows.values() if r.case.startswith("step: ")]
+    assert [r.case.split(" (")[0] for r in steps] == [
+        "step: probe", "step: decode", "step: resize", "step: patchify"
+    ]  # fmt: skip
+    assert all(r.baseline in rows for r in rows.values() if r.baseline)
+    assert not any("seed" in n.lower() for n in rows)

@@ -1,0 +1,229 @@
+"""Qwen3-VL video: frames/s of decode + process (VideoProcessor) vs PyAV decode alone (the floor) and vs HF's Qwen3VLVideoProcessor; where the time goes.
+
+Clips: the six fixture videos (tests/fixtures/video, 64x48 to 160x120, 7 to 75 frames), timed
+as one set, and one larger clip generated here with PyAV (640x360, 10 s at 30 fps, libx264;
+``--quick``: 320x180, 2 s), written to a temporary directory: nothing is downloaded. The unit is
+*source* frames per second (a clip's frame count over the time to turn it into patches): decoding
+must run through every frame up to the last sampled one, so that is the work that scales.
+
+Paths, interleaved per round (one intra-op thread, as in a cache-build worker):
+
+* **ours**: ``VideoProcessor(VideoOptions())(path)``: read, probe, decode, sample, resize,
+  patchify to uint8 rows (what the cache stores; normalisation happens later, on the device).
+* **decode floor**: a bare PyAV loop over the same file, converting to RGB exactly the frames the
+  sampler keeps (``rgb24``). No program that decodes with PyAV can turn the clip into patches
+  faster than this.
+* **HF**: transformers' ``load_video(backend="pyav")`` with ``Qwen3VLVideoProcessor.sample_frames``,
+  then ``Qwen3VLVideoProcessor`` (torchvision backend) to float32 ``pixel_values_videos``; its
+  output is checked equal to ours normalised (``normalize_video_patches``), and the row *ours ->
+  float32* adds that normalisation to ours so the two are like for like. HF's video processor
+  needs torchvision; where it does not import the row says why (n/a).
+
+**Where the time goes** (the large clip, interleaved): probe (container open, frame count),
+decode (the sampled frames, RGB), resize (torch bicubic antialiased, uint8), patchify (numpy
+reshape/transpose), each timed alone on the previous step's output; their sum is the whole.
+
+    python -m benchmarks vl_video [--repeats 5] [--quick] [--set seconds=10]
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.common import REPO, BenchArgs, Row, compare, interleave, row_from
+
+FIXTURES = REPO / "tests" / "fixtures" / "video"
+
+
+def synth_clip(path: Path, width: int, height: int, fps: int, seconds: float) -> Path:
+    """A moving gradient with a square and light noise, encoded with PyAV's libx264 (the kind of
+    content tests/fixtures/video holds, at a realistic size)."""
+    import av
+
+    n = int(round(fps * seconds))
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    with av.open(str(path), "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=Fraction(fps))
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        s.options = {"crf": "28", "preset": "veryfast", "threads": "1"}
+        for t in range(n):
+            r = 127 + 120 * np.sin((x + 3 * t) / width * 6.28)
+            g = 127 + 120 * np.cos((y - 2 * t) / height * 6.28)
+            b = (x + y + 5 * t) % 256
+            f = np.stack([r, g, b], -1) + rng.normal(0, 1.5, (height, width, 3))
+            q = (4 * t) % (width - 40)
+            f[height // 3 : height // 3 + 40, q : q + 40] = (250, 240, 30)
+            frame = av.VideoFrame.from_ndarray(np.clip(f, 0, 255).astype(np.uint8), "rgb24")
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def decode_floor(path: Path, options: Any) -> int:
+    """Bare PyAV: decode up to the last sampled frame, convert the sampled ones to rgb24.
+    Returns the frames kept."""
+    import av
+
+    from torchtitan_ext.vl.video import sample_indices
+
+    with av.open(str(path)) as c:
+        s = c.streams.video[0]
+        wanted = set(sample_indices(int(s.frames), float(s.average_rate), options).tolist())
+        last, kept = max(wanted), 0
+        for i, frame in enumerate(c.decode(s)):
+            if i in wanted:
+                frame.to_ndarray(format="rgb24")
+                kept += 1
+            if i >= last:
+                break
+    return kept
+
+
+def hf_video_processor() -> tuple[Any, str | None]:
+    """(HF Qwen3VLVideoProcessor, None), or (None, why it cannot run here)."""
+    try:
+        import torchvision  # noqa: F401
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        return Qwen3VLVideoProcessor(cap_pixels_per_frame=False), None  # 5.23's default
+    except Exception as e:  # not installed, or installed but not importable beside this torch
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, (
+            f"n/a: HF's Qwen3VLVideoProcessor needs torchvision, which does not import here "
+            f"({why}). PyPI's torchvision build for torch 2.13.0 links libtorch_cuda.so, so it "
+            "does not import beside the CPU-only torch wheel; run this case where torchvision "
+            "imports to get the row"
+        )
+
+
+def hf_process(vp: Any, path: Path) -> dict[str, Any]:
+    """HF's path from a file: its PyAV reader with its sampler, then its video processor."""
+    from transformers.video_utils import load_video
+
+    video, md = load_video(str(path), backend="pyav", sample_indices_fn=vp.sample_frames)
+    return vp(videos=[video], video_metadata=[md], do_sample_frames=False, return_tensors="pt")
+
+
+def _clip_rows(label: str, paths: list[Path], args: BenchArgs, vp, why_not) -> list[Row]:
+    from torchtitan_ext.vl.video import VideoOptions, VideoProcessor, normalize_video_patches
+
+    o = VideoOptions()
+    proc = VideoProcessor(o)
+    outs = [proc(p) for p in paths]
+    frames = sum(v.total_frames for v in outs)
+    sampled = sum(len(v.frame_indices) for v in outs)
+    equal = None
+    if vp is not None:  # like for like first: HF's float32 equals ours normalised
+        equal = all(
+            torch.equal(
+                hf_process(vp, p)["pixel_values_videos"], normalize_video_patches(v.patches)
+            )
+            for p, v in zip(paths, outs, strict=True)
+        )
+    fns = {
+        "ours": lambda: [proc(p) for p in paths],
+        "floor": lambda: [decode_floor(p, o) for p in paths],
+        "ours_f32": lambda: [normalize_video_patches(proc(p).patches) for p in paths],
+    }
+    if vp is not None:
+        fns["hf"] = lambda: [hf_process(vp, p) for p in paths]
+    t = interleave(fns, args.repeats, args.warmup, args.guard())
+    info = {
+        "clips": len(paths),
+        "source_frames": frames,
+        "sampled_frames": sampled,
+        "grids": [list(v.grid_thw) for v in outs],
+    }
+
+    def fps_row(case: str, key: str, **kw) -> Row:
+        s = t[key]
+        xs = [frames / x for x in s.samples]
+        r = row_from(case, s, "frames/s", group=label, higher_is_better=True, info=info, **kw)
+        r.samples, r.value = xs, float(np.median(xs))
+        return r
+
+    ours = fps_row(f"ours: decode + process to uint8 [{label}]", "ours")
+    floor = fps_row(
+        f"decode floor: PyAV decode of the sampled frames [{label}]",
+        "floor",
+        note="decode only: no resize, no patches",
+    )
+    rows = [ours, floor]
+    compare(rows, ours.case, floor.case)
+    hf_case = f"HF Qwen3VLVideoProcessor (PyAV reader), float32 [{label}]"
+    f32 = fps_row(f"ours -> float32 [{label}]", "ours_f32")
+    rows.append(f32)
+    if vp is not None:
+        note = "output equal to ours -> float32" if equal else "OUTPUT DIFFERS from ours -> float32"
+        rows.append(fps_row(hf_case, "hf", note=note))
+        compare(rows, f32.case, hf_case)
+        f32.info = {**info, "equal_to_hf": equal}
+    else:
+        rows.append(Row(hf_case, float("nan"), "frames/s", note=why_not))
+    return rows
+
+
+def _profile_rows(path: Path, args: BenchArgs) -> list[Row]:
+    """Each step of VideoProcessor on the large clip, timed alone on its input."""
+    from torchtitan_ext.vl import video as V
+
+    o = V.VideoOptions()
+    data = path.read_bytes()
+    fps, total = V._probe(data, path.name)
+    idx = V.sample_indices(total, fps, o)
+    frames = V._decode_sampled(data, path.name, idx, total)
+    h, w = V.target_size(len(frames), frames.shape[1], frames.shape[2], o)
+    resized = V.resize_frames(frames, h, w)
+    steps = {
+        "probe (open, frame count)": lambda: V._probe(data, path.name),
+        "decode (sampled frames, rgb24)": lambda: V._decode_sampled(data, path.name, idx, total),
+        "resize (torch bicubic antialias, uint8)": lambda: V.resize_frames(frames, h, w),
+        "patchify (numpy transpose)": lambda: V.patchify_video(resized, o),
+    }
+    t = interleave(steps, args.repeats, args.warmup, args.guard())
+    med = {k: float(np.median(s.samples)) for k, s in t.items()}
+    whole = sum(med.values())
+    info = {"frames": f"{len(frames)} of {total} sampled, {frames.shape[2]}x{frames.shape[1]} -> "
+                      f"{w}x{h}"}  # fmt: skip
+    return [
+        row_from(
+            f"step: {k} [{path.stem}]",
+            t[k],
+            "ms",
+            1e3,
+            group="steps",
+            info=info,
+            note=f"{100 * med[k] / whole:.0f}% of the steps' sum",
+        )  # fmt: skip
+        for k in steps
+    ]
+
+
+def run(args: BenchArgs) -> list[Row]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_vl_video_"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a cache-build worker (vl.build sets it)
+    try:
+        w, h = (320, 180) if args.quick else (640, 360)
+        seconds = float(args.extra.get("seconds", 2 if args.quick else 10))
+        fps = int(args.extra.get("fps", 30))
+        big = synth_clip(tmp / f"synth_{w}x{h}_{fps}fps.mp4", w, h, fps, seconds)
+        vp, why_not = hf_video_processor()
+        fixtures = sorted(FIXTURES.glob("*.mp4"))
+        rows = _clip_rows("fixture clips", fixtures, args, vp, why_not)
+        rows += _clip_rows(f"{w}x{h} {seconds:g} s {fps} fps", [big], args, vp, why_not)
+        rows += _profile_rows(big, args)
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(tmp, ignore_errors=True)
