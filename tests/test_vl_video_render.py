@@ -186,6 +186,21 @@ def test_peek_render_draws_the_videos_of_cache_packs(mixed_pack, parts, special,
     assert len(_find(canvas, first)) >= 2  # once per row
 
 
+def test_peek_show_marks_video_tokens_apart_from_image_tokens(mixed_pack, special):
+    from torchtitan_ext.peek_render import BatchView, Shower
+    from torchtitan_ext.vl.collate import collate_qwen3_vl
+
+    vid = special["video_pad_id"]
+    view = BatchView(pad_id=special["pad_id"], image_ids={special["image_pad_id"], vid},
+                     video_ids={vid})  # fmt: skip
+    inp, labels = collate_qwen3_vl([mixed_pack], pad_id=special["pad_id"])
+    flat = {"input": inp["input"], "labels": labels}
+    text = Shower(view, max_chars=100_000).render_batch(0, flat, {}, {})
+    runs = token_runs(mixed_pack["input_ids"].numpy(), vid)
+    assert text.count("«VID×") == len(runs) == 5  # 2 + 3 merged frames, one mark per frame
+    assert text.count("«IMG×") == 1
+
+
 def test_a_pack_with_zero_videos_renders_as_one_without_video_keys(parts, special, tmp_path):
     from tests.test_vl_video_model import pack_of
     from torchtitan_ext.vl.render import render_pack

@@ -18,9 +18,10 @@ loader made it:
 ``--render``: text batches as one coloured strip per row (a colour per document, masked positions
 paler, BOS black / EOS red ticks, pad grey), with document names and a decoded snippet; VL batches
 from a cache are drawn with the pack picture of ``inspect-cache`` (``vl/render.py``), one per pack,
-stacked; without a cache the strip picture is used with image tokens orange. Names match
-``--show`` (``batch i row r``, ``doc k``); the title names the config, loader, rank and batch. Text
-is drawn in the shipped DejaVu Sans (accents, Greek, Cyrillic ... render as letters, not boxes).
+stacked (videos as frame strips, ``vl/video_render.py``); without a cache the strip picture is
+used with image tokens orange and video tokens red-pink (``--show`` marks them «IMG» / «VID»).
+Names match ``--show`` (``batch i row r``, ``doc k``); the title names the config, loader, rank
+and batch. Text is drawn in the shipped DejaVu Sans (accents, Greek, Cyrillic ... render as letters, not boxes).
 Drawing is PIL only (~10-50 ms per batch).
 """
 
@@ -41,7 +42,8 @@ from torchtitan_ext.constants import IGNORE_INDEX
 
 # token classes
 TEXT, BOS, EOS, PAD, IMAGE, VISION = "text", "bos", "eos", "pad", "image", "vision"
-MARK = {BOS: "«BOS»", EOS: "«EOS»", PAD: "«PAD»", IMAGE: "«IMG»", VISION: "«V»"}
+VIDEO = "video"
+MARK = {BOS: "«BOS»", EOS: "«EOS»", PAD: "«PAD»", IMAGE: "«IMG»", VIDEO: "«VID»", VISION: "«V»"}
 
 
 def _inner_objects(loader: Any, depth: int = 3) -> list[Any]:
@@ -69,6 +71,9 @@ class BatchView:
     eos_id: int | None = None
     pad_id: int | None = None
     image_ids: set[int] = field(default_factory=set)
+    """Image and video pad tokens (non-empty: a VL loader)."""
+    video_ids: set[int] = field(default_factory=set)
+    """Video pad tokens (shown as video, not image)."""
     vision_ids: set[int] = field(default_factory=set)
     loader: Any = None
 
@@ -89,6 +94,7 @@ class BatchView:
             view.image_ids = {
                 int(special[k]) for k in ("image_pad_id", "video_pad_id") if k in special
             }
+            view.video_ids = {int(special["video_pad_id"])} if "video_pad_id" in special else set()
             view.vision_ids = {
                 int(special[k]) for k in ("vision_start_id", "vision_end_id") if k in special
             }
@@ -141,6 +147,8 @@ class BatchView:
         k = np.full(row.shape, TEXT, dtype=object)
         if self.image_ids:
             k[np.isin(row, list(self.image_ids))] = IMAGE
+        if self.video_ids:
+            k[np.isin(row, list(self.video_ids))] = VIDEO
         if self.vision_ids:
             k[np.isin(row, list(self.vision_ids))] = VISION
         if self.bos_id is not None:
@@ -364,6 +372,7 @@ def _pale(c: tuple[int, int, int], f: float = 0.62) -> tuple[int, int, int]:
 STRIP_COLORS = {
     PAD: (215, 215, 215),
     IMAGE: (240, 140, 30),
+    VIDEO: (215, 60, 110),  # vl/video_render.py's VIDEO_COLOR
     VISION: (150, 70, 200),
 }
 
@@ -488,6 +497,8 @@ def render_strips(
     ]
     if view.image_ids:
         legend += [("image", STRIP_COLORS[IMAGE]), ("vision start/end", STRIP_COLORS[VISION])]
+    if any((i.kinds == VIDEO).any() for i in infos):
+        legend.insert(-1, ("video", STRIP_COLORS[VIDEO]))
     for name, col in legend:
         d.rectangle([x, y + 2, x + 14, y + 14], fill=col)
         d.text((x + 19, y), name, fill="black", font=f_label)
