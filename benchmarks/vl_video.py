@@ -22,9 +22,16 @@ Paths, interleaved per round (one intra-op thread, as in a cache-build worker):
 Each path is reported twice: frames per second of wall time, and per CPU-second of this process
 (steadier on a shared host, where the wall time also counts waiting for a core).
 
-**Where the time goes** (the large clip, interleaved, CPU time): probe (container open, frame count),
-decode (the sampled frames, RGB), resize (torch bicubic antialiased, uint8), patchify (numpy
-reshape/transpose), each timed alone on the previous step's output; their sum is the whole.
+**Where the time goes** (each clip set, interleaved, CPU time): probe (container open, frame
+count), decode (the sampled frames, RGB), resize (torch bicubic antialiased, uint8), patchify
+(numpy reshape/transpose), each timed alone on the previous step's output. Decoding is most of it
+on the large clip; on the small fixture clips (upscaled to the pixel budget's minimum) resize
+counts too. (This profile found patchify copying a video with an odd sampled frame count through
+the other memory layout: 2.7 ms of ~13 ms for such a fixture clip; ``vl.video.patchify_video``
+now pads in the frames' own layout, 0.4 ms.)
+
+Options (``--set key=value``): ``seconds`` (length of the generated clip, default 10; quick 2),
+``fps`` (its frame rate, default 30).
 
     python -m benchmarks vl_video [--repeats 5] [--quick] [--set seconds=10]
 """
@@ -35,6 +42,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -198,37 +206,65 @@ def cpu_timed(fn: Callable[[], Any]) -> Callable[[], dict[str, float]]:
     return go
 
 
-def _profile_rows(path: Path, args: BenchArgs) -> list[Row]:
-    """Each step of VideoProcessor on the large clip, timed alone on its input (CPU time)."""
+@dataclass
+class _Clip:
+    """One clip's inputs to each step of VideoProcessor (each step's output feeds the next)."""
+
+    data: bytes
+    name: str
+    indices: np.ndarray
+    total: int
+    frames: np.ndarray
+    size: tuple[int, int]
+    resized: np.ndarray
+
+
+def _clip_inputs(path: Path, o: Any) -> _Clip:
     from torchtitan_ext.vl import video as V
 
-    o = V.VideoOptions()
     data = path.read_bytes()
     fps, total = V._probe(data, path.name)
     idx = V.sample_indices(total, fps, o)
     frames = V._decode_sampled(data, path.name, idx, total)
-    h, w = V.target_size(len(frames), frames.shape[1], frames.shape[2], o)
-    resized = V.resize_frames(frames, h, w)
+    size = V.target_size(len(frames), frames.shape[1], frames.shape[2], o)
+    return _Clip(data, path.name, idx, total, frames, size, V.resize_frames(frames, *size))
+
+
+def _profile_rows(label: str, paths: list[Path], args: BenchArgs) -> list[Row]:
+    """Each step of VideoProcessor over the clips, timed alone on its input (CPU time)."""
+    from torchtitan_ext.vl import video as V
+
+    o = V.VideoOptions()
+    clips = [_clip_inputs(p, o) for p in paths]
     steps = {
-        "probe (open, frame count)": lambda: V._probe(data, path.name),
-        "decode (sampled frames, rgb24)": lambda: V._decode_sampled(data, path.name, idx, total),
-        "resize (torch bicubic antialias, uint8)": lambda: V.resize_frames(frames, h, w),
-        "patchify (numpy transpose)": lambda: V.patchify_video(resized, o),
+        "probe (open, frame count)": lambda: [V._probe(c.data, c.name) for c in clips],
+        "decode (sampled frames, rgb24)": lambda: [
+            V._decode_sampled(c.data, c.name, c.indices, c.total) for c in clips
+        ],
+        "resize (torch bicubic antialias, uint8)": lambda: [
+            V.resize_frames(c.frames, *c.size) for c in clips
+        ],
+        "patchify (numpy transpose)": lambda: [V.patchify_video(c.resized, o) for c in clips],
     }
     t = interleave({k: cpu_timed(f) for k, f in steps.items()}, args.repeats, args.warmup,
                    args.guard())  # fmt: skip
     med = {k: float(np.median(s.values("cpu"))) for k, s in t.items()}
     whole = sum(med.values())
-    info = {"frames": f"{len(frames)} of {total} sampled, {frames.shape[2]}x{frames.shape[1]} -> "
-                      f"{w}x{h}"}  # fmt: skip
+    info = {
+        "clips": [
+            f"{len(c.frames)} of {c.total} frames sampled, {c.frames.shape[2]}x"
+            f"{c.frames.shape[1]} -> {c.size[1]}x{c.size[0]}"
+            for c in clips
+        ]
+    }
     return [
         row_from(
-            f"step: {k} [{path.stem}]",
+            f"step: {k} [{label}]",
             t[k],
             "ms CPU",
             1e3,
             key="cpu",
-            group="steps",
+            group=f"steps {label}",
             info=info,
             note=f"{100 * med[k] / whole:.0f}% of the steps' sum",
         )
@@ -248,8 +284,10 @@ def run(args: BenchArgs) -> list[Row]:
         vp, why_not = hf_video_processor()
         fixtures = sorted(FIXTURES.glob("*.mp4"))
         rows = _clip_rows("fixture clips", fixtures, args, vp, why_not)
-        rows += _clip_rows(f"{w}x{h} {seconds:g} s {fps} fps", [big], args, vp, why_not)
-        rows += _profile_rows(big, args)
+        big_label = f"{w}x{h} {seconds:g} s {fps} fps"
+        rows += _clip_rows(big_label, [big], args, vp, why_not)
+        rows += _profile_rows("fixture clips", fixtures, args)
+        rows += _profile_rows(big_label, [big], args)
         return rows
     finally:
         torch.set_num_threads(threads)
