@@ -25,6 +25,7 @@ from torchtitan_ext.vl.video import (
 from torchtitan_ext.vl.video_render import (
     frame_thumbnail,
     pack_video_list,
+    pack_videos,
     token_runs,
     video_frames,
 )
@@ -184,6 +185,27 @@ def test_peek_render_draws_the_videos_of_cache_packs(mixed_pack, parts, special,
     v = parts[1][0]
     first = np.asarray(frame_thumbnail(video_frames(v.patches, v.grid_thw)[0], 96))
     assert len(_find(canvas, first)) >= 2  # once per row
+
+
+def test_a_video_only_pack_has_no_empty_thumbnail_row(parts, special, tmp_path):
+    from tests.test_vl_video_model import pack_of
+    from torchtitan_ext.vl.render import render_pack
+
+    pack = pack_of(parts[0][:1], special)
+    canvas = np.asarray(Image.open(render_pack(FakeCache([pack], special), 0, tmp_path / "v.png")))
+    v = parts[1][0]
+    (y, _), *_ = _find(
+        canvas[..., :3], np.asarray(frame_thumbnail(video_frames(v.patches, v.grid_thw)[0], 96))
+    )
+    assert y < 60  # under the title and the video's header, not under a 140 px empty row
+
+
+def test_video_rows_that_the_grid_does_not_account_for_are_named(mixed_pack):
+    bad = {**mixed_pack, "video_u8": mixed_pack["video_u8"][:-4]}
+    with pytest.raises(
+        ValueError, match="video_grid_thw accounts for 568 patches but video_u8 has 564"
+    ):
+        pack_videos(bad)
 
 
 def test_peek_show_marks_video_tokens_apart_from_image_tokens(mixed_pack, special):

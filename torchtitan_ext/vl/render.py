@@ -153,7 +153,8 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     per_line = (width - 20) // cell
     lines_per_sample = [max(1, -(-n // per_line)) for n in lens]
     pad_lines = max(0, -(-(L - n_content) // per_line))
-    thumb_rows = max(1, -(-len(thumbs) // max(1, (width - 20) // 128)))
+    # a pack with video and no image skips the empty thumbnail row
+    thumb_rows = max(int(not videos), -(-len(thumbs) // max(1, (width - 20) // 128)))
     h = (
         30
         + thumb_rows * 140
@@ -172,7 +173,7 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
         + (f", {len(videos)} videos, {len(p['video_u8'])} video patches" if videos else ""),
         fill="black",
     )
-    y = _draw_thumbnails(canvas, d, thumbs, owner, grid, margin, 30) + 140
+    y = _draw_thumbnails(canvas, d, thumbs, owner, grid, margin, 30) + 140 if thumb_rows else 30
     for pn in panels:
         canvas.paste(pn, (margin, y))
         y += pn.height + 8
