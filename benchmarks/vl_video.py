@@ -26,9 +26,9 @@ Each path is reported twice: frames per second of wall time, and per CPU-second 
 count), decode (the sampled frames, RGB), resize (torch bicubic antialiased, uint8), patchify
 (numpy reshape/transpose), each timed alone on the previous step's output. Decoding is most of it
 on the large clip; on the small fixture clips (upscaled to the pixel budget's minimum) resize
-counts too. (This profile found patchify copying a video with an odd sampled frame count through
-the other memory layout: 2.7 ms of ~13 ms for such a fixture clip; ``vl.video.patchify_video``
-now pads in the frames' own layout, 0.4 ms.)
+counts too. (This profile found patchify rewriting a video with an odd sampled frame count into
+the other memory layout while padding it: 2.7 ms of ~13 ms for such a fixture clip;
+``vl.video.patchify_video`` now pads by indexing, which keeps the layout: 0.4 ms.)
 
 Options (``--set key=value``): ``seconds`` (length of the generated clip, default 10; quick 2),
 ``fps`` (its frame rate, default 30).

@@ -236,8 +236,8 @@ def test_a_pack_with_zero_videos_renders_as_one_without_video_keys(parts, specia
 
 
 def test_patchify_gives_the_same_bytes_from_either_memory_layout():
-    """patchify_video cuts channels-first frames (resize_frames' output) in that layout: the
-    rows equal those of the same frames stored channels-last, padded or not."""
+    """patchify_video pads channels-first frames (resize_frames' output) without changing their
+    layout: the rows equal those of the same frames stored channels-last, padded or not."""
     rng = np.random.default_rng(1)
     o = VideoOptions()
     for n in (4, 5):

@@ -183,31 +183,18 @@ def patchify_video(frames: np.ndarray, o: VideoOptions) -> tuple[np.ndarray, tup
     """Resized uint8 [T, H, W, C] -> (uint8 [gt*gh*gw, C*tp*ps*ps], grid (gt, gh, gw)).
 
     The last frame is repeated up to a multiple of ``temporal_patch_size``. Row order and row
-    layout are HF's (module docstring).
-
-    Frames that are channels-first in memory (:func:`resize_frames` returns torch's NCHW result
-    as an NHWC view) are padded and cut in that layout: padding them as NHWC would first copy
-    every byte into the other layout (measured 2.7 ms against 0.4 ms for five 160x224 frames).
-    Both branches give the same bytes."""
-    pad = -len(frames) % o.temporal_patch_size
+    layout are HF's (module docstring). The padding indexes the frames, which keeps their memory
+    layout (:func:`resize_frames` returns torch's NCHW memory as an NHWC view): ``np.concatenate``
+    with a repeated frame rewrote them as NHWC first (patchify 1.7-2.7 ms instead of 0.3-0.4 ms
+    for five 160x224 frames)."""
+    if pad := -len(frames) % o.temporal_patch_size:
+        frames = frames[np.r_[0 : len(frames), [len(frames) - 1] * pad]]
+    t, h, w, c = frames.shape
     ps, m, tp = o.patch_size, o.merge_size, o.temporal_patch_size
-    cf = frames.transpose(0, 3, 1, 2)
-    if cf.flags.c_contiguous:
-        if pad:
-            cf = np.concatenate([cf, np.repeat(cf[-1:], pad, axis=0)])
-        t, c, h, w = cf.shape
-        gt, gh, gw = t // tp, h // ps, w // ps
-        a = cf.reshape(gt, tp, c, gh // m, m, ps, gw // m, m, ps).transpose(
-            0, 3, 6, 4, 7, 2, 1, 5, 8
-        )
-    else:
-        if pad:
-            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-        t, h, w, c = frames.shape
-        gt, gh, gw = t // tp, h // ps, w // ps
-        a = frames.reshape(gt, tp, gh // m, m, ps, gw // m, m, ps, c)
-        a = a.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    # both: (gt, gh/m, gw/m, m_h, m_w, C, tp, ps_h, ps_w), HF's permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    gt, gh, gw = t // tp, h // ps, w // ps
+    a = frames.reshape(gt, tp, gh // m, m, ps, gw // m, m, ps, c)
+    # -> (gt, gh/m, gw/m, m_h, m_w, C, tp, ps_h, ps_w): HF's permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    a = a.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
     return np.ascontiguousarray(a).reshape(gt * gh * gw, c * tp * ps * ps), (gt, gh, gw)
 
 
