@@ -4,9 +4,11 @@
 ``--render``: text batches as one coloured strip per row (a colour per document, masked positions
 paler, BOS black / EOS red ticks, pad grey), with document names and a decoded snippet; VL batches
 from a cache are drawn with the pack picture of ``inspect-cache`` (``vl/render.py``), one per pack,
-stacked; without a cache the strip picture is used with image tokens orange. Names match
-``--show`` (``batch i row r``, ``doc k``); the title names the config, loader, rank and batch. Text
-is drawn in the shipped DejaVu Sans (accents, Greek, Cyrillic ... render as letters, not boxes).
+stacked (videos as frame strips, ``vl/video_render.py``); without a cache the strip picture is
+used with image tokens orange and video tokens red-pink (``--show`` marks them «IMG» / «VID»).
+Names match ``--show`` (``batch i row r``, ``doc k``); the title names the config, loader, rank
+and batch. Text is drawn in the shipped DejaVu Sans (accents, Greek, Cyrillic ... render as
+letters, not boxes).
 Drawing is PIL only (~10-50 ms per batch).
 """
 
@@ -28,6 +30,7 @@ from torchtitan_ext.peek_view import (
     IMAGE,
     PAD,
     TEXT,
+    VIDEO,
     VISION,
     BatchView,
     as_array,
@@ -53,6 +56,7 @@ def _pale(c: tuple[int, int, int], f: float = 0.62) -> tuple[int, int, int]:
 STRIP_COLORS = {
     PAD: (215, 215, 215),
     IMAGE: (240, 140, 30),
+    VIDEO: (215, 60, 110),  # vl/video_render.py's VIDEO_COLOR
     VISION: (150, 70, 200),
 }
 
@@ -177,6 +181,8 @@ def render_strips(
     ]
     if view.image_ids:
         legend += [("image", STRIP_COLORS[IMAGE]), ("vision start/end", STRIP_COLORS[VISION])]
+    if any((i.kinds == VIDEO).any() for i in infos):
+        legend.insert(-1, ("video", STRIP_COLORS[VIDEO]))
     for name, col in legend:
         d.rectangle([x, y + 2, x + 14, y + 14], fill=col)
         d.text((x + 19, y), name, fill="black", font=f_label)

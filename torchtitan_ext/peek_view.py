@@ -31,7 +31,8 @@ from torchtitan_ext.constants import IGNORE_INDEX
 
 # token classes
 TEXT, BOS, EOS, PAD, IMAGE, VISION = "text", "bos", "eos", "pad", "image", "vision"
-MARK = {BOS: "«BOS»", EOS: "«EOS»", PAD: "«PAD»", IMAGE: "«IMG»", VISION: "«V»"}
+VIDEO = "video"
+MARK = {BOS: "«BOS»", EOS: "«EOS»", PAD: "«PAD»", IMAGE: "«IMG»", VIDEO: "«VID»", VISION: "«V»"}
 
 
 def inner_objects(loader: Any, depth: int = 3) -> list[Any]:
@@ -59,6 +60,9 @@ class BatchView:
     eos_id: int | None = None
     pad_id: int | None = None
     image_ids: set[int] = field(default_factory=set)
+    """Image and video pad tokens (non-empty: a VL loader)."""
+    video_ids: set[int] = field(default_factory=set)
+    """Video pad tokens (shown as video, not image)."""
     vision_ids: set[int] = field(default_factory=set)
     loader: Any = None
 
@@ -79,6 +83,7 @@ class BatchView:
             view.image_ids = {
                 int(special[k]) for k in ("image_pad_id", "video_pad_id") if k in special
             }
+            view.video_ids = {int(special["video_pad_id"])} if "video_pad_id" in special else set()
             view.vision_ids = {
                 int(special[k]) for k in ("vision_start_id", "vision_end_id") if k in special
             }
@@ -131,6 +136,8 @@ class BatchView:
         k = np.full(row.shape, TEXT, dtype=object)
         if self.image_ids:
             k[np.isin(row, list(self.image_ids))] = IMAGE
+        if self.video_ids:
+            k[np.isin(row, list(self.video_ids))] = VIDEO
         if self.vision_ids:
             k[np.isin(row, list(self.vision_ids))] = VISION
         if self.bos_id is not None:

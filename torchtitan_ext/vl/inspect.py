@@ -5,7 +5,8 @@ shard ``meta.json``; no tensor data) and reads packing_stats.json after checking
 packs, samples/pack, tokens, fill %, images, patches, bytes per pack and the ratio to a float32
 layout (pixel_values float32 [N, 1536], input_ids/labels int64, position_ids int64 [4, L],
 image_grid_thw int64). ``--verify`` also re-hashes every file (sha256; ~1 GB/s) and checks every
-shard's index; ``--render PACK OUT.png`` draws one pack (render.py).
+shard's index; ``--render PACK OUT.png`` draws one pack (render.py; a pack's videos as frame
+strips, video_render.py).
 
 A sample store (``vl/plan.py``; what ``preprocess-cached`` builds) is summarised the same way, its
 "packs" being its samples; with ``--seq-len`` (and ``--buffer-size``, ``--buckets``) the plan of
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "--render",
         nargs=2,
         metavar=("PACK", "OUT_PNG"),
-        help="draw pack PACK (thumbnails + token strip per sample) to OUT_PNG",
+        help="draw pack PACK (image thumbnails, video frames, a token strip per sample) to OUT_PNG",
     )
     ap.add_argument(
         "--seq-len",
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             packs = planned if planned is not None else VLCache.open(path)
             out = render_pack(packs, int(a.render[0]), a.render[1])
-        except (CacheError, IndexError) as e:
+        except (CacheError, IndexError, ValueError) as e:  # ValueError: video rows vs grid
             return _fail(str(e))
         print(f"rendered pack {a.render[0]} -> {out}")
     return 0

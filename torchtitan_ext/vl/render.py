@@ -8,6 +8,12 @@ masked with -100, orange = image tokens, purple = vision start/end, light grey =
 tick marks every turn start (``<|im_start|>``). Under each strip, one line per turn: its role,
 how many of its tokens carry loss, and the start of its text (green when it carries loss).
 Measured: ~0.1 s for a 1024-token pack of 8 samples (PIL drawing).
+
+A pack with video (``video_u8`` / ``video_grid_thw``) also gets, under the image thumbnails, one
+panel per video: its frames rebuilt from the patches (``vl/video_render.py``), two frames per
+merged frame, each pair captioned with the timestamp the prompt gives it; its tokens are red-pink
+in the strip, the first run of each video numbered ``v#k``. Packs without video are drawn as
+before.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from torchtitan_ext.constants import IGNORE_INDEX
+from torchtitan_ext.vl.video_render import VIDEO_COLOR, PackVideo, pack_video_list, video_panel
 
 COLORS = {
     "target": (46, 160, 67),
@@ -29,6 +36,7 @@ COLORS = {
     "pad": (225, 225, 225),
 }
 TURN_TICK = (200, 30, 30)
+_KIND_COLORS = {**COLORS, "video": VIDEO_COLOR}
 
 
 def unpatchify(u8: np.ndarray, grid: tuple[int, int, int], patch: int = 16, merge: int = 2):
@@ -84,6 +92,8 @@ def _token_kinds(ids: np.ndarray, labels: np.ndarray, sp: dict[str, int], n_cont
     kind = np.full(len(ids), "masked", dtype=object)
     kind[labels != IGNORE_INDEX] = "target"
     kind[ids == sp["image_pad_id"]] = "image"
+    if "video_pad_id" in sp:
+        kind[ids == sp["video_pad_id"]] = "video"
     kind[(ids == sp["vision_start_id"]) | (ids == sp["vision_end_id"])] = "vision"
     kind[n_content:] = "pad"
     return kind
@@ -119,13 +129,17 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     ids = p["input_ids"].numpy()
     labels = p["labels"].numpy()
     lens = p["seq_lens"].numpy().tolist()
-    grid = p["image_grid_thw"].numpy()
+    grid = np.asarray(p.get("image_grid_thw", np.zeros((0, 3), np.int64))).reshape(-1, 3)
     L = len(ids)
     n_content = int(sum(lens))
     kind = _token_kinds(ids, labels, sp, n_content)
 
     dec = _decoder(cache) if decode else None
-    thumbs = _thumbnails(p["pixel_u8"].numpy(), grid, cache.image_params)
+    pix = np.asarray(p.get("pixel_u8", np.zeros((0, 768), np.uint8)))
+    thumbs = _thumbnails(pix, grid, cache.image_params)
+    videos = _videos(p, sp, cache.image_params, dec)
+    panels = [video_panel(v, width - 20) for v in videos]
+    per_sample_vid = [sum(v.sample == s for v in videos) for s in range(len(lens))]
     per_sample = _images_per_sample(ids, lens, sp["image_pad_id"])
     owner = [(s, k) for s, n in enumerate(per_sample) for k in range(n)]
     turns, a = [], 0
@@ -139,12 +153,14 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     per_line = (width - 20) // cell
     lines_per_sample = [max(1, -(-n // per_line)) for n in lens]
     pad_lines = max(0, -(-(L - n_content) // per_line))
-    thumb_rows = max(1, -(-len(thumbs) // max(1, (width - 20) // 128)))
+    # a pack with video and no image skips the empty thumbnail row
+    thumb_rows = max(int(not videos), -(-len(thumbs) // max(1, (width - 20) // 128)))
     h = (
         30
         + thumb_rows * 140
         + sum(34 + 10 * k + 13 * len(t) for k, t in zip(lines_per_sample, turns, strict=True))
         + (30 + 8 * pad_lines if pad_lines else 0)
+        + sum(pn.height + 8 for pn in panels)
         + 40
     )
     canvas = Image.new("RGB", (width, h), "white")
@@ -152,21 +168,28 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
     d.text(
         (margin, 8),
         f"pack {index}: L={L}, {len(lens)} samples, {n_content} tokens "
-        f"({100 * n_content / max(L, 1):.1f}% fill), {len(grid)} images, {len(p['pixel_u8'])} "
-        "patches",
+        f"({100 * n_content / max(L, 1):.1f}% fill), {len(grid)} images, {len(pix)} "
+        "patches"
+        + (f", {len(videos)} videos, {len(p['video_u8'])} video patches" if videos else ""),
         fill="black",
     )
-    y = _draw_thumbnails(canvas, d, thumbs, owner, grid, margin, 30) + 140
+    y = _draw_thumbnails(canvas, d, thumbs, owner, grid, margin, 30) + 140 if thumb_rows else 30
+    for pn in panels:
+        canvas.paste(pn, (margin, y))
+        y += pn.height + 8
+    video_starts = {v.token_start: v.number for v in videos}
     a = 0
     for s, n in enumerate(lens):
         d.text(
             (margin, y),
-            f"sample {s}: {n} tokens, {per_sample[s]} images, {len(turns[s])} turns, "
-            f"{int((kind[a : a + n] == 'target').sum())} tokens with loss",
+            f"sample {s}: {n} tokens, {per_sample[s]} images, "
+            + (f"{per_sample_vid[s]} videos, " if videos else "")
+            + f"{len(turns[s])} turns, {int((kind[a : a + n] == 'target').sum())} tokens with loss",
             fill="black",
         )
         y += 14
-        y = _strip(d, kind[a : a + n], ids[a : a + n], sp, margin, y, cell, per_line)
+        starts = {j - a: k for j, k in video_starts.items() if a <= j < a + n}
+        y = _strip(d, kind[a : a + n], ids[a : a + n], sp, margin, y, cell, per_line, starts)
         y = _draw_turns(d, turns[s], ids[a : a + n], sp, dec, margin + 8, y)
         y += 14
         a += n
@@ -174,11 +197,19 @@ def render_pack(cache, index: int, out: str | Path, width: int = 1200, decode: b
         d.text((margin, y), f"padding: {L - n_content} tokens", fill="black")
         y += 14
         y = _strip(d, kind[n_content:], ids[n_content:], sp, margin, y, cell, per_line)
-    _draw_legend(d, margin, y)
+    _draw_legend(d, margin, y, video=bool(videos))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(out)
     return out
+
+
+def _videos(p, sp: dict[str, int], ip: dict[str, Any], dec: Any) -> list[PackVideo]:
+    """The pack's videos (none without video keys or a ``video_pad_id``); timestamps read from
+    the tokens when there is a decoder."""
+    if "video_grid_thw" not in p or "video_pad_id" not in sp:
+        return []
+    return pack_video_list(p, sp["video_pad_id"], ip, dec)
 
 
 def _decoder(cache) -> Any:
@@ -213,7 +244,8 @@ def _draw_turns(d, turns, ids, sp, dec, x: int, y: int) -> int:
     for t in turns:
         text = ""
         if dec is not None:
-            body = [int(v) for v in ids[t.start : t.end] if v != sp["image_pad_id"]]
+            pads = (sp["image_pad_id"], sp.get("video_pad_id", sp["image_pad_id"]))
+            body = [int(v) for v in ids[t.start : t.end] if v not in pads]
             text = dec(body)
             if t.role != "-":  # the turn's header is its role, shown in brackets
                 text = text.split("\n", 1)[-1]
@@ -228,24 +260,29 @@ def _draw_turns(d, turns, ids, sp, dec, x: int, y: int) -> int:
     return y
 
 
-def _draw_legend(d, x: int, y: int) -> None:
-    for name, col in [*COLORS.items(), ("turn start", TURN_TICK)]:
+def _draw_legend(d, x: int, y: int, video: bool = False) -> None:
+    extra = [("video", VIDEO_COLOR)] if video else []
+    for name, col in [*COLORS.items(), *extra, ("turn start", TURN_TICK)]:
         d.rectangle([x, y, x + 12, y + 10], fill=col)
         d.text((x + 16, y), name, fill="black")
         x += 110
 
 
-def _strip(d, kind, ids, sp, x0: int, y: int, cell: int, per_line: int) -> int:
-    """One sample's coloured token cells (turn starts ticked, image runs numbered); returns the
-    y below it."""
+def _strip(d, kind, ids, sp, x0: int, y: int, cell: int, per_line: int, video_starts=None) -> int:
+    """One sample's coloured token cells (turn starts ticked, image runs numbered, a video's
+    first run numbered ``v#k``: ``video_starts`` maps its position to k); returns the y below
+    it."""
+    video_starts = video_starts or {}
     n, img_no = len(kind), 0
     for j in range(n):
         r, c = divmod(j, per_line)
         x, yy = x0 + c * cell, y + r * 10
-        d.rectangle([x, yy, x + cell - 1, yy + 5], fill=COLORS[kind[j]])
+        d.rectangle([x, yy, x + cell - 1, yy + 5], fill=_KIND_COLORS[kind[j]])
         if ids[j] == sp["im_start_id"] and kind[j] != "pad":
             d.rectangle([x, yy - 2, x + max(0, cell // 3), yy + 7], fill=TURN_TICK)
         if kind[j] == "image" and (j == 0 or kind[j - 1] != "image"):
             d.text((x, yy + 5), f"#{img_no}", fill=COLORS["image"])
             img_no += 1
+        if j in video_starts:
+            d.text((x, yy + 5), f"v#{video_starts[j]}", fill=VIDEO_COLOR)
     return y + 10 * max(1, -(-n // per_line)) + 6

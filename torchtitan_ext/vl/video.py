@@ -183,9 +183,12 @@ def patchify_video(frames: np.ndarray, o: VideoOptions) -> tuple[np.ndarray, tup
     """Resized uint8 [T, H, W, C] -> (uint8 [gt*gh*gw, C*tp*ps*ps], grid (gt, gh, gw)).
 
     The last frame is repeated up to a multiple of ``temporal_patch_size``. Row order and row
-    layout are HF's (module docstring)."""
+    layout are HF's (module docstring). The padding indexes the frames, which keeps their memory
+    layout (:func:`resize_frames` returns torch's NCHW memory as an NHWC view): ``np.concatenate``
+    with a repeated frame rewrote them as NHWC first (patchify 1.7-2.7 ms instead of 0.3-0.4 ms
+    for five 160x224 frames)."""
     if pad := -len(frames) % o.temporal_patch_size:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+        frames = frames[np.r_[0 : len(frames), [len(frames) - 1] * pad]]
     t, h, w, c = frames.shape
     ps, m, tp = o.patch_size, o.merge_size, o.temporal_patch_size
     gt, gh, gw = t // tp, h // ps, w // ps
