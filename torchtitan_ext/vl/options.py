@@ -111,6 +111,9 @@ class SourceOptions:
     image_column: str | None = BuildConfig.image_column
     """The image column (None: detected); ``--image-column``."""
 
+    video_column: str | None = BuildConfig.video_column
+    """The video column (None: detected); ``--video-column``."""
+
     question_column: str | None = BuildConfig.question_column
     """vqa: the question column (None: detected); ``--question-column``."""
 
@@ -129,6 +132,29 @@ class SourceOptions:
     truncate: bool = BuildConfig.truncate
     """A sample longer than the pack length drops whole trailing turns instead of being
     skipped as too_long (part of the key); ``--truncate``."""
+
+    video_fps: float = BuildConfig.video_fps
+    """Video frames sampled per second (part of the key); ``--video-fps``."""
+
+    video_min_frames: int = BuildConfig.video_min_frames
+    """At least this many frames sampled per video (part of the key); ``--video-min-frames``."""
+
+    video_max_frames: int = BuildConfig.video_max_frames
+    """At most this many frames sampled per video (part of the key); ``--video-max-frames``."""
+
+    video_min_pixels: int = BuildConfig.video_min_pixels
+    """Pixel budget floor of a video's sampled frames together (part of the key);
+    ``--video-min-pixels``."""
+
+    video_max_pixels: int = BuildConfig.video_max_pixels
+    """Pixel budget of a video's sampled frames together (part of the key);
+    ``--video-max-pixels``."""
+
+    video_cap_pixels_per_frame: bool = BuildConfig.video_cap_pixels_per_frame
+    """qwen-vl-utils' per-frame pixel cap (part of the key); ``--video-cap-pixels-per-frame``."""
+
+    video_max_tokens: int = BuildConfig.video_max_tokens
+    """Token ceiling per frame of that cap (part of the key); ``--video-max-tokens``."""
 
     def build_options(self) -> dict[str, Any]:
         """The fields that are :class:`~torchtitan_ext.vl.build_config.BuildConfig` options

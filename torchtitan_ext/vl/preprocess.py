@@ -116,6 +116,7 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
         default=d["exif_transpose"],
         help="turn photos upright by their EXIF orientation, as HF datasets does (part of the key)",
     )
+    _video_args(p, d)
     p.add_argument(
         "--fingerprint",
         choices=FINGERPRINTS,
@@ -123,6 +124,20 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
         help="'full': hash every byte of the source files for the cache key (remembered per file "
         "by size+mtime); 'quick': size + first/last MiB only (misses same-size edits mid-file)",
     )
+
+
+def _video_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """The video knobs (``BuildConfig.video_*``, part of the key): one flag each."""
+    from torchtitan_ext.vl.build_config import VIDEO_OPTIONS
+
+    for name in VIDEO_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        if isinstance(d[name], bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=d[name],
+                           help=f"video option (default {d[name]}; docs/video.md)")  # fmt: skip
+        else:
+            p.add_argument(flag, type=type(d[name]), default=d[name],
+                           help=f"video option (default {d[name]}; docs/video.md)")  # fmt: skip
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
