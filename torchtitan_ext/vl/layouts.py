@@ -258,8 +258,12 @@ class Layout:
         return tuple(c for c in self.mapping().values() if c is not None)
 
     def describe(self) -> dict[str, Any]:
-        """The layout and its column mapping (part of the cache key)."""
-        return {"layout": self.name, "columns": self.mapping()}
+        """The layout and its column mapping (part of the cache key). A layout without a video
+        column describes itself as it did before videos (no ``video`` entry)."""
+        cols = self.mapping()
+        if cols.get("video", "") is None:
+            del cols["video"]
+        return {"layout": self.name, "columns": cols}
 
     def parse(self, raw: dict[str, Any]) -> ChatSample:
         raise NotImplementedError

@@ -37,7 +37,8 @@ class SourceOptions:
     dataset: str = ""
     """Source dataset: a local Parquet directory / file, a Hugging Face dataset name,
     ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src) or
-    ``"sample_chat"`` (the small chat set made from the same images). Part of the cache key.
+    ``"sample_chat"`` (the small chat set made from the same images) or ``"sample_video"``
+    (generated clips of a moving square, ``vl/sample_video.py``). Part of the cache key.
     Required unless ``dataset_path`` or ``cache_path`` is set."""
 
     dataset_path: str | None = None

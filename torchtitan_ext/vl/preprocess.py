@@ -50,7 +50,8 @@ def _source_args(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument(
         "--dataset",
         required=True,
-        help="local Parquet file/dir/glob, a hub dataset name, 'sample' (VQA) or 'sample_chat'",
+        help="local Parquet file/dir/glob, a hub dataset name, 'sample' (VQA), 'sample_chat' or "
+        "'sample_video'",
     )
     p.add_argument("--split", default=d["split"])
     p.add_argument(
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     how = "detected" if a.format == "auto" else "as asked"
     print(f"cache: {path}")
     print(f"row layout {lay['layout']} ({how}) from columns {cols}")
+    print(f"{lay['layout']} samples: {st['samples_packed']} kept, {st['samples_text_only']} "
+          f"text-only; {st['images']} images, {st['videos']} videos")  # fmt: skip
     skipped = dict(st["skipped"])
     if a.packed:
         packs, samples, fill = st["packs"], st["samples_packed"], st["fill_pct"]["mean"]

@@ -116,4 +116,6 @@ def process_row(item: tuple[int, dict[str, Any]]) -> ProcessedRow | Skip:
         pixels=s.pixel_u8.numpy(),
         grid_thw=s.image_grid_thw.numpy().astype(np.int32),
         turns_dropped=int(s.extra.get("turns_dropped", 0)),
+        video_pixels=s.video_u8.numpy() if len(s.video_grid_thw) else None,
+        video_grid_thw=s.video_grid_thw.numpy().astype(np.int32) if len(s.video_grid_thw) else None,
     )
