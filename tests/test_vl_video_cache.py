@@ -374,6 +374,7 @@ def test_bad_videos_are_counted_or_named_under_strict(env, tmp_path):
 
 def test_a_vqa_row_without_its_media_is_a_counted_skip(tmp_path):
     from torchtitan_ext.vl.build import build_cache
+    from torchtitan_ext.vl.online import OnlineVLDataset
 
     d = tmp_path / "vqa"
     d.mkdir()
@@ -386,6 +387,10 @@ def test_a_vqa_row_without_its_media_is_a_counted_skip(tmp_path):
     st = json.loads((k / "packing_stats.json").read_text())
     assert st["samples_packed"] == 1 and st["skipped"] == {"missing_video": 2}
     assert st["videos"] == 1 and st["samples_text_only"] == 0
+    ds = OnlineVLDataset(  # the online fallback counts them too
+        d, "train", seq_len=1024, buffer_size=8, buckets=None, infinite=False,
+                         shuffle=False)  # fmt: skip
+    assert len(list(ds)) == 1 and dict(ds.skips) == {"missing_video": 2}
 
 
 # ------------------------------------------------------------------------------------- model
@@ -476,3 +481,25 @@ def test_video_batches_resume_exactly(env):
     spec = LoaderSpec("cached_vl", build, doc_ids, set(ids.values()), steps=1)
     (batches,) = assert_resume_exact(spec, 2, 1)
     assert any("pixel_values_videos" in b[0] for b in batches)
+
+
+def test_the_online_fallback_packs_video_as_the_cache_does(env):
+    """No cache: packs made now from the rows carry the same video keys, counting the same
+    skips (the VQA layout's ``missing_*`` included: a parse failure is the row's skip)."""
+    from torchtitan_ext.vl.online import OnlineVLDataset
+    from torchtitan_ext.vl.plan import PlannedStore, PlanOptions
+
+    ds = OnlineVLDataset(env["data"], "train", seq_len=SEQ, buffer_size=8, buckets=None,
+                         infinite=False, shuffle=False)  # fmt: skip
+    packs = list(ds)
+    assert dict(ds.skips) == {r: 1 for r in BAD_REASONS.values()}
+    planned = PlannedStore.open(env["store"], PlanOptions.make(SEQ, 8, None))
+    cached = {tuple(planned.pack(i)["input_ids"].tolist()): planned.pack(i)
+              for i in range(len(planned))}  # fmt: skip
+    assert len(packs) == len(cached)
+    for p in packs:
+        c = cached[tuple(p["input_ids"].tolist())]
+        assert p.keys() - {"pack_index"} == c.keys()
+        for k in ("video_u8", "video_grid_thw", "position_ids", "labels", "pixel_u8"):
+            if k in c:
+                assert torch.equal(p[k], c[k]), k

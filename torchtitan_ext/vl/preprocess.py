@@ -131,14 +131,22 @@ def _video_args(p: argparse.ArgumentParser, d: dict) -> None:
     """The video knobs (``BuildConfig.video_*``, part of the key): one flag each."""
     from torchtitan_ext.vl.build_config import VIDEO_OPTIONS
 
+    what = {
+        "video_fps": "frames sampled per second of video",
+        "video_min_frames": "sample at least this many frames of a video",
+        "video_max_frames": "sample at most this many frames of a video",
+        "video_min_pixels": "pixel budget floor of a video's sampled frames together",
+        "video_max_pixels": "pixel budget of a video's sampled frames together",
+        "video_cap_pixels_per_frame": "qwen-vl-utils' per-frame pixel cap",
+        "video_max_tokens": "the per-frame cap's token ceiling",
+    }
     for name in VIDEO_OPTIONS:
         flag = "--" + name.replace("_", "-")
+        text = f"{what[name]} (default {d[name]}; part of the key)"
         if isinstance(d[name], bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=d[name],
-                           help=f"video option (default {d[name]}; docs/video.md)")  # fmt: skip
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=d[name], help=text)
         else:
-            p.add_argument(flag, type=type(d[name]), default=d[name],
-                           help=f"video option (default {d[name]}; docs/video.md)")  # fmt: skip
+            p.add_argument(flag, type=type(d[name]), default=d[name], help=text)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
