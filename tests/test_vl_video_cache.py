@@ -388,8 +388,8 @@ def test_a_vqa_row_without_its_media_is_a_counted_skip(tmp_path):
     assert st["samples_packed"] == 1 and st["skipped"] == {"missing_video": 2}
     assert st["videos"] == 1 and st["samples_text_only"] == 0
     ds = OnlineVLDataset(  # the online fallback counts them too
-        d, "train", seq_len=1024, buffer_size=8, buckets=None, infinite=False,
-                         shuffle=False)  # fmt: skip
+        d, "train", seq_len=1024, buffer_size=8, buckets=None, infinite=False, shuffle=False
+    )
     assert len(list(ds)) == 1 and dict(ds.skips) == {"missing_video": 2}
 
 
