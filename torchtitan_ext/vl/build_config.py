@@ -86,7 +86,7 @@ class BuildConfig:
     store: bool = False
     """True: build a *sample store* (``vl/plan.py``): every entry one unpadded sample, no
     packing; ``buffer_size`` and ``buckets`` are not part of its key, nor is ``seq_len`` unless
-    ``truncate`` (the cut depends on it). False: the packed cache of format v2."""
+    ``truncate`` (the cut depends on it). False: a packed cache (packs fixed at build time)."""
 
 
 VIDEO_OPTIONS: dict[str, str] = {

@@ -50,7 +50,7 @@ class SourceOptions:
 
     cache_dir: str = "./preprocessed_cache"
     """Root directory of caches; each key gets a sub-directory: a sample store
-    ``<dataset>_<split>_store_<hash>`` (a packed cache of format v2:
+    ``<dataset>_<split>_store_<hash>`` (a packed cache:
     ``<dataset>_<split>_seq<L>_buf<B>_<hash>``)."""
 
     cache_path: str | None = None
@@ -58,17 +58,17 @@ class SourceOptions:
 
     pack_seq_len: int | None = None
     """Pack length (tokens). None: the trainer's ``training.seq_len``. A sample store is
-    planned for it when the loader starts (any value; nothing is rebuilt); a packed v2 cache
+    planned for it when the loader starts (any value; nothing is rebuilt); a packed cache
     must have been built with it (part of its key)."""
 
     buffer_size: int = 64
-    """Samples the best-fit packer chooses from (the plan's; part of a packed v2 cache's
+    """Samples the best-fit packer chooses from (the plan's; part of a packed cache's
     key)."""
 
     buckets: list[int] | None = None
     """Allowed padded pack lengths (each <= pack_seq_len); None: every pack is padded to
     pack_seq_len. Fewer distinct shapes -> fewer torch.compile recompilations. The plan's
-    (part of a packed v2 cache's key)."""
+    (part of a packed cache's key)."""
 
     model_path: str | None = None
     """Qwen3-VL model/processor directory (tokenizer + preprocessor config); None: the

@@ -11,7 +11,7 @@ opens its packs with :func:`open_packs`.
    ``seq_len`` / ``buffer_size`` / ``buckets``: those only make the plan, ``vl/plan.py``); when
    the source is a local path that no longer exists, the store whose manifest records this
    source and processor (one line says its fingerprint could not be re-checked); else a packed
-   cache (format v2, built before stores) of the full key;
+   cache (packs fixed at build time) of the full key;
 4. else ``build_if_missing`` -> build the store now (``build_cache`` splits the shards over the
    job's ranks via RANK/WORLD_SIZE; every rank returns once it is complete);
 5. else None: the caller falls back to ``vl.online.OnlineVLDataset``, which runs the *same*

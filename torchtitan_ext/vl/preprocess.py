@@ -4,7 +4,7 @@ Thin CLI over :func:`torchtitan_ext.vl.build.build_cache` (see build.py for the 
 cache.py for the layout). It builds the *sample store* (``vl/plan.py``: every image processed
 once, whatever the pack length); ``--seq-len`` / ``--buffer-size`` / ``--buckets`` are the plan's
 options: the plan is computed from the stored lengths and its stats printed (a new value plans
-the same store again, in seconds). ``--packed`` builds the packed cache of format v2 instead
+the same store again, in seconds). ``--packed`` builds a packed cache instead
 (packs fixed at build time; its key holds the plan options). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank
 builds its share of shards; every rank returns once the manifest is written. ``--dataset sample``
 and ``--dataset sample_chat`` use the generated sample datasets (``torchtitan_ext.vl.sample_data``).
@@ -96,7 +96,7 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
         help="comma-separated padded lengths (<= seq-len; the plan's); default: pad to seq-len",
     )
     p.add_argument("--packed", action="store_true",
-                   help="build the packed cache of format v2 (packs fixed at build time) instead "
+                   help="build a packed cache (packs fixed at build time) instead "
                    "of the sample store")  # fmt: skip
     p.add_argument(
         "--model-path",
