@@ -503,3 +503,23 @@ def test_the_online_fallback_packs_video_as_the_cache_does(env):
         for k in ("video_u8", "video_grid_thw", "position_ids", "labels", "pixel_u8"):
             if k in c:
                 assert torch.equal(p[k], c[k]), k
+
+
+def test_a_video_option_that_cannot_work_is_one_line_before_the_build(
+    monkeypatch, capsys, tmp_path
+):
+    """Preflight names the key (the job never reaches the trainer)."""
+    from torchtitan_ext import train
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # restored (unset) after the test: main() fills them in
+        monkeypatch.delenv(k)
+    monkeypatch.setattr("torchtitan.tools.logging.init_logger", lambda: None)
+    built: list = []
+    monkeypatch.setattr(train, "run", lambda cfg: built.append(cfg) or 0)
+    config = REPO / "train_configs" / "qwen3_vl_video_tiny.toml"
+    rc = train.main(["--config-file", str(config), "--dataloader.video_min_frames", "9",
+                     "--dataloader.video_max_frames", "8", "--dump_folder", str(tmp_path)])  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not built and len(lines) == 1, lines
+    assert "[dataloader] video_min_frames (9) and video_max_frames (8)" in lines[0]

@@ -242,17 +242,7 @@ def process_chat(
         videos, video_ids = videos[: len(e.vpads)], video_ids[: len(e.vpads)]
     ids, target = _expand(e, image_tokens, video_ids)
     labels = np.where(target, ids, IGNORE_INDEX)
-    patches = []
-    for i, (im, g) in enumerate(zip(images, grids, strict=True)):
-        try:
-            u8, g2 = image_to_patches(load_image(im), p)
-            if g2 != g:  # a lying header, or a PNG's late EXIF orientation turned it by 90 degrees
-                raise SampleError(
-                    "decode_error", f"decoded grid {g2} differs from the header's {g}"
-                )
-        except SampleError as err:
-            raise err.at_image(i, len(images)) from None
-        patches.append(u8)
+    patches = _image_patches(images, grids, p)
     grid = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
     vgrid = np.asarray([v.grid_thw for v in videos], dtype=np.int64).reshape(-1, 3)
     video_kw = {"video_grid_thw": vgrid, "video_pad_id": pl.ids["video_pad_id"]} if videos else {}
@@ -276,6 +266,24 @@ def process_chat(
         out.video_u8 = torch.from_numpy(np.concatenate([v.patches for v in videos]))
         out.video_grid_thw = torch.from_numpy(vgrid)
     return out
+
+
+def _image_patches(
+    images: Sequence[Image.Image], grids: Sequence[tuple[int, int, int]], p: ImageParams
+) -> list[np.ndarray]:
+    """Each image resized and patchified; a grid other than its header's is ``decode_error``."""
+    patches = []
+    for i, (im, g) in enumerate(zip(images, grids, strict=True)):
+        try:
+            u8, g2 = image_to_patches(load_image(im), p)
+            if g2 != g:  # a lying header, or a PNG's late EXIF orientation turned it by 90 degrees
+                raise SampleError(
+                    "decode_error", f"decoded grid {g2} differs from the header's {g}"
+                )
+        except SampleError as err:
+            raise err.at_image(i, len(images)) from None
+        patches.append(u8)
+    return patches
 
 
 def _expand(
