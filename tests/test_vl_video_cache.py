@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -332,6 +333,10 @@ def test_packs_store_video_and_count_it(env):
     assert meta["format_version"] == 3 and meta["counts"]["videos"] == 5
     files = {Path(f).name for f in meta["files"]}
     assert {"video_pixels.memmap", "video_grid_thw.memmap", "video_offsets.memmap"} <= files
+    from torchtitan_ext.vl.inspect import format_table, summary
+
+    table = format_table(summary(env["packed"]))
+    assert re.search(r"videos \(per pack mean\) +5 \(", table) and "text-only samples" in table
 
 
 def test_an_image_only_cache_has_no_video_files_or_keys(tmp_path):
