@@ -432,7 +432,7 @@ def test_old_format_is_named_with_the_fix(cache):
     d = json.loads(mf.read_text())
     d["format_version"] = 1
     mf.write_text(json.dumps(d))
-    with pytest.raises(C.CacheError, match=r"v1 is not .* v2; rebuild the cache"):
+    with pytest.raises(C.CacheError, match=rf"v1 is not .* v{C.FORMAT_VERSION}; rebuild the cache"):
         C.VLCache.open(cache)
 
 

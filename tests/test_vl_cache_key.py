@@ -56,6 +56,13 @@ CHANGES = {
     "fingerprint": "quick",
     "truncate": True,
     "store": True,
+    "video_fps": 1.0,
+    "video_min_frames": 2,
+    "video_max_frames": 64,
+    "video_min_pixels": 4096,
+    "video_max_pixels": 1_000_000,
+    "video_cap_pixels_per_frame": True,
+    "video_max_tokens": 128,
 }
 COVERED_ELSEWHERE = {"dataset", "model_path", *B.LAYOUT_OPTIONS}
 

@@ -103,7 +103,7 @@ def test_parse_odd_cells():
     )
     for bad, words in [
         ([{"role": "narrator", "content": "x"}], "unknown role 'narrator'"),
-        ([{"role": "user", "content": [{"type": "video"}]}], "unsupported content type 'video'"),
+        ([{"role": "user", "content": [{"type": "audio"}]}], "unsupported content type 'audio'"),
         ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "int, not a string"),
         ("[not json", "not JSON"),
         (None, "is null"),
@@ -119,9 +119,9 @@ def test_parse_odd_cells():
     assert llava.messages[0]["content"] == [IMG, IMG, {"type": "text", "text": "Same?"}]
     assert llava.images == ["a.jpg", None]  # the None is that image's missing_image later
     vqa = L.VQALayout("img", "q", "answers").parse(
-        {"img": None, "q": None, "answers": ["b", {"answer": "a"}, "a", None]}
+        {"img": "a.jpg", "q": None, "answers": ["b", {"answer": "a"}, "a", None]}
     )
-    assert vqa.images == [] and vqa.messages[1]["content"] == "a"
+    assert vqa.images == ["a.jpg"] and vqa.messages[1]["content"] == "a"
 
 
 @pytest.mark.parametrize(

@@ -477,3 +477,46 @@ def streaming_mix(variant: Variant, root: Path) -> LoaderSpec:
         set(range(48)) | {MIX_SOURCE_STRIDE + (f << 40) + r for f in (0, 1) for r in range(20)},
         state=state,
     )
+
+
+# ---------------------------------------------------------------------------- cached_vl_video
+@builder("cached_vl_video")
+def cached_vl_video(variant: Variant, root: Path) -> LoaderSpec:
+    """``cached_vl`` over a sample store of the generated video sample (``vl/sample_video.py``:
+    videos, an image and a video together, two videos, text-only rows), in the ``qwen3_vl``
+    batch format (the ``torchtitan`` one carries no video). Packs hold ``video_u8``."""
+    from torchtitan_ext.loaders.vl import CachedVLDataLoader
+    from torchtitan_ext.vl.build import build_cache
+    from torchtitan_ext.vl.plan import PlannedStore, PlanOptions
+    from torchtitan_ext.vl.sample_video import video_sample_path
+
+    seq = 512
+    if "vl_video" not in _SHARED:  # one store for every variant
+        data = video_sample_path(n=32, root=root / "data")
+        _SHARED["vl_video"] = build_cache(data, "train", root / "cache", seq, 8, store=True,
+                                          show_progress=False)  # fmt: skip
+    store = _SHARED["vl_video"]
+    cache = PlannedStore.open(store, PlanOptions.make(seq, 8, None))
+    ids = {tuple(cache.pack(i)["input_ids"].tolist()): i for i in range(len(cache))}
+    assert len(ids) == len(cache) >= 8, "the video packs are distinct and enough for 2 -> 3 -> 1"
+    assert any("video_u8" in cache.pack(i) for i in range(len(cache)))
+
+    def build(rank: int, world: int, infinite: bool) -> Any:
+        cfg = CachedVLDataLoader.Config(
+            cache_path=str(store), buffer_size=8, queue_size=3, num_workers=variant.workers,
+            infinite=infinite, batch_format="qwen3_vl",
+        )  # fmt: skip
+        return cfg.build(dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=seq,
+                         local_batch_size=1)  # fmt: skip
+
+    def doc_ids(batch: Any) -> list[int]:
+        inp, _ = batch
+        return [ids[tuple(row.tolist())] for row in inp["input"]]
+
+    def state(loaders: Any) -> Any:  # the envelope names the loader, cached_vl
+        return checkpoint.envelope("cached_vl", [ld.rank_state() for ld in loaders], "any")
+
+    return LoaderSpec(
+        "cached_vl_video", staged(build) if variant.staging else build, doc_ids,
+        set(ids.values()), steps=1, state=state,
+    )  # fmt: skip

@@ -42,6 +42,7 @@ CHECKS: list[str | Check] = [
     "torchtitan_ext.preflight.tokens:check_tokenizer",
     "torchtitan_ext.preflight.data:check_text_data",
     "torchtitan_ext.preflight.data:check_vl_cache",
+    "torchtitan_ext.preflight.data:check_vl_video_options",
     "torchtitan_ext.preflight.checkpoint:check_checkpoint",
     # a batch format named after one of our model modules feeds that module only
     "torchtitan_ext.models.qwen3_vl.preflight:check_format_owner",

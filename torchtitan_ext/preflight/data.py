@@ -146,3 +146,18 @@ def check_vl_cache(job: Job) -> None:
                 f"{where} holds {packs} packs, fewer than the {dp} data-parallel ranks: every "
                 f"rank would get none; set [{section}] remainder = 'wrap' or use more data"
             )
+
+
+def check_vl_video_options(job: Job) -> None:
+    """For ``cached_vl``: the ``video_*`` knobs can work (fps > 0, min <= max, ...): one line
+    naming the key, before the cache is looked up or built."""
+    from torchtitan_ext.vl.build_config import VIDEO_OPTIONS, BuildConfig, check_video_options
+
+    for section, loader_cfg in job.loaders():
+        if loader_name(loader_cfg) != "cached_vl":
+            continue
+        knobs = {k: getattr(loader_cfg, k) for k in VIDEO_OPTIONS}
+        try:
+            check_video_options(BuildConfig(dataset="", **knobs))
+        except ValueError as e:
+            raise ConfigError(f"{job.file}: [{section}] {e}") from None

@@ -288,7 +288,9 @@ class _ShardBuilder:
             return
         cfg = self.res.config
         buckets = normalize_buckets(cfg.seq_len, cfg.buckets)
-        patch_dim = 3 * ImageParams.from_processor(self.res.processor).patch_size ** 2
+        params = ImageParams.from_processor(self.res.processor)
+        patch_dim = 3 * params.patch_size**2
+        video_dim = patch_dim * params.temporal_patch_size
         n_rows = sum(self.ranges[k][1] - self.ranges[k][0] for k in mine)
         bar = tqdm(total=n_rows, unit="sample", desc=f"preprocess {self.tag}",
                    disable=not self.progress, dynamic_ncols=True, smoothing=0.1)  # fmt: skip
@@ -315,7 +317,7 @@ class _ShardBuilder:
                 tmp = shards / f".tmp-{k:05d}-{self.tag}-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
                 st = write_shard(tmp, results, cfg.seq_len, cfg.buffer_size, buckets, patch_dim,
-                                 store=cfg.store)  # fmt: skip
+                                 store=cfg.store, video_dim=video_dim)  # fmt: skip
                 packs += st["packs"]
                 publish_shard(tmp, shards / f"{k:05d}")
                 bar.set_postfix(packs=packs, skipped=skips, refresh=False)

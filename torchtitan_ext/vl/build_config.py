@@ -12,6 +12,9 @@ from typing import Any
 
 from torchtitan_ext.vl.layouts import COLUMN_ROLES, Format
 from torchtitan_ext.vl.sources import DEFAULT_FINGERPRINT, Fingerprint
+from torchtitan_ext.vl.video import VideoOptions
+
+_V = VideoOptions()
 
 DEFAULT_ROWS_PER_SHARD = 1024
 
@@ -51,6 +54,8 @@ class BuildConfig:
     key, not this field, so ``auto`` and the layout it finds share a cache."""
     image_column: str | None = None
     """Column of the row's image(s) (every layout); None: detected."""
+    video_column: str | None = None
+    """Column of the row's video(s) (``vqa``, ``messages``, ``llava``); None: detected."""
     question_column: str | None = None
     """``vqa``: the question column; None: detected."""
     answer_column: str | None = None
@@ -64,10 +69,48 @@ class BuildConfig:
     truncate: bool = False
     """A sample longer than ``seq_len`` drops whole trailing turns (and their images) until it
     fits, cut after an assistant turn (the loss mask stays whole); False: it is ``too_long``."""
+    video_fps: float = _V.fps
+    """Video frames sampled per second (``VideoOptions.fps``; transformers 5.23's default)."""
+    video_min_frames: int = _V.min_frames
+    """Sample at least this many frames of a video (a shorter video gives all it has)."""
+    video_max_frames: int = _V.max_frames
+    """Sample at most this many frames of a video."""
+    video_min_pixels: int = _V.min_pixels
+    """Pixel budget floor of a video's sampled frames together (HF ``size.shortest_edge``)."""
+    video_max_pixels: int = _V.max_pixels
+    """Pixel budget of a video's sampled frames together (HF ``size.longest_edge``)."""
+    video_cap_pixels_per_frame: bool = _V.cap_pixels_per_frame
+    """qwen-vl-utils' per-frame pixel cap (HF's ``cap_pixels_per_frame``; off in 5.23)."""
+    video_max_tokens: int = _V.max_video_tokens
+    """The per-frame cap's token ceiling (HF's ``max_video_tokens``)."""
     store: bool = False
     """True: build a *sample store* (``vl/plan.py``): every entry one unpadded sample, no
     packing; ``buffer_size`` and ``buckets`` are not part of its key, nor is ``seq_len`` unless
-    ``truncate`` (the cut depends on it). False: the packed cache of format v2."""
+    ``truncate`` (the cut depends on it). False: a packed cache (packs fixed at build time)."""
+
+
+VIDEO_OPTIONS: dict[str, str] = {
+    "video_fps": "fps",
+    "video_min_frames": "min_frames",
+    "video_max_frames": "max_frames",
+    "video_min_pixels": "min_pixels",
+    "video_max_pixels": "max_pixels",
+    "video_cap_pixels_per_frame": "cap_pixels_per_frame",
+    "video_max_tokens": "max_video_tokens",
+}
+"""BuildConfig field -> the :class:`~torchtitan_ext.vl.video.VideoOptions` field it sets (the
+model's patch, temporal patch and merge sizes come from the processor instead)."""
+
+
+def video_options(config: BuildConfig, params: Any) -> VideoOptions:
+    """The :class:`VideoOptions` of a build: the config's ``video_*`` knobs with the
+    processor's patch, temporal patch and merge sizes (``params``: its ``ImageParams``)."""
+    return VideoOptions(
+        **{f: getattr(config, k) for k, f in VIDEO_OPTIONS.items()},
+        patch_size=params.patch_size,
+        temporal_patch_size=params.temporal_patch_size,
+        merge_size=params.merge_size,
+    )
 
 
 PLAN_OPTIONS = ("seq_len", "buffer_size", "buckets")
@@ -120,4 +163,22 @@ def config_from(
         raise ValueError(f"buffer_size must be >= 1, got {cfg.buffer_size}")
     if cfg.rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {cfg.rows_per_shard}")
+    check_video_options(cfg)
     return cfg
+
+
+def check_video_options(cfg: BuildConfig) -> None:
+    """One line naming the ``video_*`` knob that cannot work (before anything is built)."""
+    bad = None
+    if not cfg.video_fps > 0:
+        bad = f"video_fps must be > 0, got {cfg.video_fps}"
+    elif not 1 <= cfg.video_min_frames <= cfg.video_max_frames:
+        bad = (f"video_min_frames ({cfg.video_min_frames}) and video_max_frames "
+               f"({cfg.video_max_frames}) need 1 <= min <= max")  # fmt: skip
+    elif not 0 < cfg.video_min_pixels <= cfg.video_max_pixels:
+        bad = (f"video_min_pixels ({cfg.video_min_pixels}) and video_max_pixels "
+               f"({cfg.video_max_pixels}) need 0 < min <= max")  # fmt: skip
+    elif cfg.video_max_tokens < 1:
+        bad = f"video_max_tokens must be >= 1, got {cfg.video_max_tokens}"
+    if bad:
+        raise ValueError(bad)

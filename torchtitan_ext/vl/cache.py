@@ -69,6 +69,7 @@ from torchtitan_ext.vl.format import (
     column_shape,
     read_manifest,
     shard_meta_problem,
+    video_patch_dim,
 )
 
 STORE_NO_LIMIT = 2**31 - 1
@@ -93,9 +94,9 @@ class _Shard:
 
     __slots__ = ("cols", "doc", "path", "rel", "shapes")
 
-    def __init__(self, path: Path, rel: str, doc: dict[str, Any], patch_dim: int):
+    def __init__(self, path: Path, rel: str, doc: dict[str, Any], patch_dim: int, video_dim: int):
         self.path, self.rel, self.doc = path, rel, doc
-        self.shapes = {c.name: column_shape(c, doc, patch_dim) for c in COLUMNS}
+        self.shapes = {c.name: column_shape(c, doc, patch_dim, video_dim) for c in COLUMNS}
         self.cols: dict[str, np.ndarray] | None = None
 
     def files(self) -> dict[str, int]:
@@ -117,6 +118,8 @@ class _Shard:
                 else:  # mode "c": O_RDONLY + MAP_PRIVATE: writes never reach the file
                     mm = np.memmap(self.path / f"{c.name}.memmap", c.dtype, "c", shape=shape)
                     cols[c.name] = np.asarray(mm)
+            if not len(cols["video_offsets"]):  # a shard without video stores no offsets
+                cols["video_offsets"] = np.zeros((int(self.doc["packs"]) + 1, 2), np.int64)
             _check_index(cols, self.doc, seq_len, f"{self.path}/")
             self.cols = cols
         return self.cols
@@ -157,6 +160,27 @@ def _check_index(cols: dict[str, np.ndarray], doc: dict[str, Any], seq_len: int,
             "grid_thw.memmap / pack_offsets.memmap",
             "image grids do not add up to the packs' patch counts",
         )
+    _check_video_index(cols, doc, bad)
+
+
+def _check_video_index(cols: dict[str, np.ndarray], doc: dict[str, Any], bad) -> None:
+    """The video offsets agree with the counts and with the video grids (as for images)."""
+    vo = cols["video_offsets"]
+    last = [doc["videos"], doc["video_patches"]]
+    if vo[0].tolist() != [0, 0] or vo[-1].tolist() != last:
+        raise bad("video_offsets.memmap", f"first/last rows {vo[0].tolist()}/{vo[-1].tolist()}, "
+                                          f"counts say [0, 0]/{last}")  # fmt: skip
+    if (np.diff(vo, axis=0) < 0).any():
+        raise bad("video_offsets.memmap", "offsets decrease")
+    vgrid = cols["video_grid_thw"].astype(np.int64)
+    if (vgrid <= 0).any():
+        raise bad("video_grid_thw.memmap", "a video grid is not positive")
+    per_vid = np.concatenate(([0], np.cumsum(vgrid.prod(axis=1))))
+    if np.diff(per_vid[vo[:, 0]]).tolist() != np.diff(vo[:, 1]).tolist():
+        raise bad(
+            "video_grid_thw.memmap / video_offsets.memmap",
+            "video grids do not add up to the packs' video patch counts",
+        )
 
 
 class VLCache:
@@ -170,12 +194,19 @@ class VLCache:
         self.image_params: dict[str, Any] = metadata["image_params"]
         self.spatial_merge_size = int(self.image_params["merge_size"])
         self.patch_dim = 3 * int(self.image_params["patch_size"]) ** 2
+        self.video_dim = video_patch_dim(self.image_params)
         self.is_store = bool(metadata["config"].get("store", False))
         """A sample store (``vl/plan.py``): every "pack" is one unpadded sample."""
         # a store's entries are bounded by its longest sample, which its index checks itself
         self.seq_len = int(metadata["config"].get("seq_len", STORE_NO_LIMIT))
         self._shards = [
-            _Shard(path / SHARDS / s["name"], f"{SHARDS}/{s['name']}", s, self.patch_dim)
+            _Shard(
+                path / SHARDS / s["name"],
+                f"{SHARDS}/{s['name']}",
+                s,
+                self.patch_dim,
+                self.video_dim,
+            )  # fmt: skip
             for s in metadata["shards"]
         ]
         counts = [int(s["packs"]) for s in metadata["shards"]]
@@ -319,7 +350,8 @@ class VLCache:
 
     def pack(self, i: int, copy_pixels: bool = True) -> dict[str, torch.Tensor]:
         """Pack i as tensors: ``input_ids``, ``labels``, ``position_ids``, ``seq_lens``, ``pixel_u8``,
-        ``image_grid_thw``, ``num_tokens`` (docs/vl-cache.md describes the format).
+        ``image_grid_thw``, ``num_tokens`` (docs/vl-cache.md describes the format), and, only
+        when the pack holds a video, ``video_u8`` / ``video_grid_thw`` (``vl/video_batch.py``).
 
         ``copy_pixels=False`` returns ``pixel_u8`` as a zero-copy view of the file mapping (for a
         consumer that copies it straight into a pinned buffer). The mapping is copy-on-write:
@@ -330,10 +362,12 @@ class VLCache:
         a = self._arrays(s)
         o = a["pack_offsets"]
         (s0, t0, i0, p0), (s1, t1, i1, p1) = o[j].tolist(), o[j + 1].tolist()
+        (v0, q0), (v1, q1) = a["video_offsets"][j].tolist(), a["video_offsets"][j + 1].tolist()
         return assemble_pack(
             a["tokens"][t0:t1], a["label_mask"][t0:t1], a["sample_lens"][s0:s1],
             a["grid_thw"][i0:i1], a["pixels"][p0:p1], int(a["pack_len"][j]),
             self.special_tokens, self.spatial_merge_size, copy_pixels,
+            video_grid_thw=a["video_grid_thw"][v0:v1], video_pixels=a["video_pixels"][q0:q1],
         )  # fmt: skip
 
     def pack_rows(self, i: int) -> list[int]:

@@ -20,3 +20,7 @@ class SampleError(ValueError):
     def at_image(self, i: int, n: int) -> SampleError:
         """The same error, naming the image's index in the row's list of ``n`` images."""
         return SampleError(self.reason, f"images[{i}] of {n}: {self.message}", self.error_type)
+
+    def at_video(self, i: int, n: int) -> SampleError:
+        """The same error, naming the video's index in the row's list of ``n`` videos."""
+        return SampleError(self.reason, f"videos[{i}] of {n}: {self.message}", self.error_type)

@@ -12,8 +12,16 @@ Layout (one directory per cache key, ``<name>_<split>_seq<L>_buf<B>_<key12>/``):
         grid_thw.memmap  int32 [I, 3]                sample_lens.memmap int32 [S]
         sample_rows.memmap int64 [S] (input row)     pack_offsets.memmap int64 [K+1, 4]
         pack_len.memmap  int32 [K] (padded length)   stats.json  (shard counts, skips, checksums)
+        video_pixels.memmap uint8 [VP, 3*2*patch²]  video_grid_thw.memmap int32 [V, 3]
+        video_offsets.memmap int64 [K+1, 2] (video, video patch)
 
-A column with no rows has no file (tensordict writes none). Only content tokens are stored
+A column with no rows has no file (tensordict writes none). The video columns, ``video_offsets``
+included, have rows only in a shard that holds a video, so a shard without video has exactly
+the files of an image-only shard of version 2 (its video offsets read as zeros). Video rows are
+stored as ``vl/video.py`` makes them (both temporal frames real, HF's row order), videos in
+token order, like images; a pack's videos are ``video_offsets[k]..[k+1]``. Version 3 added the
+three video columns and the ``videos`` / ``video_patches`` counts; a cache of version 2 is
+refused with a line saying to rebuild it (its key differs too, so a lookup builds anew). Only content tokens are stored
 (padding is added at read time) and ``position_ids`` are not stored: they are a pure function of
 the tokens and ``image_grid_thw`` (``processor.position_rows``, ~0.1 ms per pack). Labels are a
 1-byte mask. So a pack costs 768 B per patch + 5 B per token, vs 6144 B per patch + 48 B per token
@@ -38,7 +46,7 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "torchtitan_ext.vl_cache"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "metadata.json"
 PACKING_STATS = "packing_stats.json"
 SHARDS = "shards"
@@ -54,14 +62,16 @@ class CacheError(ValueError):
 @dataclass(frozen=True)
 class Column:
     """One array of a shard: ``<name>.memmap``, ``dtype``, ``rows`` from the shard's count
-    ``count`` (+1 for ``pack_offsets``), and a fixed row width (0: a 1-D array; -1: the patch
-    width ``3 * patch_size**2``)."""
+    ``count`` (+1 for the offsets), and a fixed row width (0: a 1-D array; -1: the patch width
+    ``3 * patch_size**2``; -2: the video patch width ``3 * temporal_patch_size * patch_size**2``)."""
 
     name: str
     dtype: str
     count: str
     width: int = 0
     plus_one: bool = False
+    only_with: str | None = None
+    """No rows at all unless the shard's count ``only_with`` is positive."""
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -73,18 +83,30 @@ COLUMNS: tuple[Column, ...] = (
     Column("sample_rows", "int64", "samples"),
     Column("pack_offsets", "int64", "packs", width=4, plus_one=True),
     Column("pack_len", "int32", "packs"),
+    Column("video_pixels", "uint8", "video_patches", width=-2),
+    Column("video_grid_thw", "int32", "videos", width=3),
+    Column("video_offsets", "int64", "packs", width=2, plus_one=True, only_with="videos"),
 )
-SHARD_COUNTS = ("packs", "samples", "tokens", "images", "patches")
+SHARD_COUNTS = ("packs", "samples", "tokens", "images", "patches", "videos", "video_patches")
 """Counts each shard entry of the manifest carries (they give every column's shape)."""
 
 
-def column_shape(col: Column, shard: dict[str, Any], patch_dim: int) -> tuple[int, ...]:
+def column_shape(
+    col: Column, shard: dict[str, Any], patch_dim: int, video_dim: int
+) -> tuple[int, ...]:
     n = int(shard[col.count]) + (1 if col.plus_one else 0)
-    width = patch_dim if col.width == -1 else col.width
+    if col.only_with is not None and not int(shard[col.only_with]):
+        n = 0
+    width = {-1: patch_dim, -2: video_dim}.get(col.width, col.width)
     return (n, width) if width else (n,)
 
 
 ITEMSIZE = {c.name: np.dtype(c.dtype).itemsize for c in COLUMNS}
+
+
+def video_patch_dim(image_params: dict[str, Any]) -> int:
+    """Width of a stored video row: ``3 * temporal_patch_size * patch_size**2`` (1536)."""
+    return 3 * int(image_params["temporal_patch_size"]) * int(image_params["patch_size"]) ** 2
 
 
 def torch_dtype_name(dtype: str) -> str:
@@ -214,11 +236,11 @@ def _check_fields(meta: dict[str, Any], mf: Path) -> None:
         )
     sp = meta.get("special_tokens")
     _need(isinstance(sp, dict), mf, "special_tokens", "is missing or not an object")
-    for k in ("pad_id", "image_pad_id"):
+    for k in ("pad_id", "image_pad_id", "video_pad_id"):
         _need(_is_count(sp.get(k)), mf, f"special_tokens.{k}", "is missing or not an id")
     ip = meta.get("image_params")
     _need(isinstance(ip, dict), mf, "image_params", "is missing or not an object")
-    for k in ("patch_size", "merge_size"):
+    for k in ("patch_size", "merge_size", "temporal_patch_size"):
         _need(_is_count(ip.get(k)) and ip[k] > 0, mf, f"image_params.{k}", "is not positive")
     files = meta.get("files")
     _need(isinstance(files, dict), mf, "files", "is missing or not an object")

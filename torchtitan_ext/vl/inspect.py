@@ -57,6 +57,7 @@ def summary(path: str | Path) -> dict[str, Any]:
     stored = sum(f["size"] for f in meta["files"].values())
     pixel_bytes = sum(f["size"] for k, f in meta["files"].items() if k.endswith("pixels.memmap"))
     f32 = float32_bytes(c["patches"], c["padded_tokens"], c["images"])
+    f32 += c.get("video_patches", 0) * 1536 * 4 + c.get("videos", 0) * 3 * 8
     packs = max(c["packs"], 1)
     return {
         "path": str(p),
@@ -77,6 +78,10 @@ def summary(path: str | Path) -> dict[str, Any]:
         "padded_tokens": c["padded_tokens"],
         "images": c["images"],
         "patches": c["patches"],
+        "videos": c.get("videos", 0),
+        "video_patches": c.get("video_patches", 0),
+        "videos_per_pack": st.get("videos_per_pack", {"mean": 0.0}),
+        "samples_text_only": st.get("samples_text_only", 0),
         "bytes_total": stored,
         "bytes_per_pack": stored / packs,
         "pixel_bytes_per_pack": pixel_bytes / packs,
@@ -131,6 +136,7 @@ def format_table(s: dict[str, Any]) -> str:
         ("bucket counts", json.dumps(s["bucket_counts"])),
         ("images (per pack mean)", f"{s['images']} ({ipp['mean']:.2f})"),
         ("patches (per pack mean)", f"{s['patches']} ({s['patches'] / max(s['packs'], 1):.0f})"),
+        *_video_rows(s),
         (
             "bytes per pack (pixels)",
             f"{_fmt_bytes(s['bytes_per_pack'])} ({_fmt_bytes(s['pixel_bytes_per_pack'])})",
@@ -154,6 +160,20 @@ def format_table(s: dict[str, Any]) -> str:
         ]  # fmt: skip
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def _video_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's video and text-only rows, only when there is something to count (a table
+    of an image-only cache is what it was)."""
+    rows = []
+    if s["videos"]:
+        vpp, n = s["videos_per_pack"], max(s["packs"], 1)
+        rows += [("videos (per pack mean)", f"{s['videos']} ({vpp['mean']:.2f})"),
+                 ("video patches (per pack mean)",
+                  f"{s['video_patches']} ({s['video_patches'] / n:.0f})")]  # fmt: skip
+    if s["samples_text_only"]:
+        rows.append(("text-only samples", str(s["samples_text_only"])))
+    return rows
 
 
 def _fail(what: str) -> int:

@@ -2,21 +2,25 @@
 
 Every layout turns a raw row (``vl/sources.py``: a dict of the row's columns as pyarrow or
 ``datasets`` return them) into one :class:`ChatSample`: a conversation in Hugging Face's chat
-format plus the row's image cells in placeholder order. The rest of the pipeline (chat template,
+format plus the row's image cells and video cells, each kind in placeholder order. The rest of the pipeline (chat template,
 loss mask, images, packing) is the same for every layout.
 
 | layout | columns (first found; ``--<role>-column`` names another) | conversation |
 |---|---|---|
-| ``vqa`` | ``image``/``images``/``img`` (optional), ``question``/``prompt``/``query``, ``answer``/``multiple_choice_answer``/``answers``/``response`` | user: the images, then the question; assistant: the answer. A list of answers (VQAv2's ``answers``: strings or ``{"answer": ...}`` dicts) gives its most frequent answer (ties: the first). |
-| ``messages`` | ``messages``, ``images``/``image`` (optional) | HF / OpenAI chat: ``{role, content}`` turns, content a string or a list of ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts; the images column's images fill the image parts in order. |
-| ``llava`` | ``conversations``, ``image``/``images`` (optional) | LLaVA / ShareGPT: ``{"from": "human"/"gpt"/"system", "value": "...<image>..."}``; each ``<image>`` marker is an image part (the text around it is kept as it is, newlines included). |
+| ``vqa`` | ``image``/``images``/``img`` and ``video``/``videos`` (optional), ``question``/``prompt``/``query``, ``answer``/``multiple_choice_answer``/``answers``/``response`` | user: the images, then the videos, then the question; assistant: the answer. A list of answers (VQAv2's ``answers``: strings or ``{"answer": ...}`` dicts) gives its most frequent answer (ties: the first). With a media column, a row whose media cells are all null or empty is the counted skip ``missing_image`` (``missing_video`` when the layout has only a video column), never a text-only sample. |
+| ``messages`` | ``messages``, ``images``/``image`` and ``videos``/``video`` (optional) | HF / OpenAI chat: ``{role, content}`` turns, content a string or a list of ``{"type": "image"}`` / ``{"type": "video"}`` / ``{"type": "text", "text": ...}`` parts; the images column's images fill the image parts in order, the videos column's videos the video parts. |
+| ``llava`` | ``conversations``, ``image``/``images`` and ``video``/``videos`` (optional) | LLaVA / ShareGPT (LLaVA-Video): ``{"from": "human"/"gpt"/"system", "value": "...<image>...<video>..."}``; each ``<image>`` marker is an image part, each ``<video>`` a video part (the text around them is kept as it is, newlines included). |
 | ``cauldron`` | ``texts``, ``images`` (optional) | the_cauldron: ``[{"user", "assistant"}, ...]``; the images go first in the first user turn (as HF's Idefics2 fine-tuning does). |
 
 Roles: ``system``, ``user``, ``assistant`` (ShareGPT's ``human``/``gpt`` and a few other common
 names map onto them). A ``messages`` / ``conversations`` / ``texts`` cell may also be a JSON string.
 Image cells: an HF ``Image`` struct (``{"bytes", "path"}``), a path (relative paths are resolved
 against the dataset directory when the image is read), raw bytes, a PIL image, or a list of any
-of these; a null cell or an empty list means a text-only row.
+of these; a null cell or an empty list means a text-only row (in the chat layouts).
+Video cells: a video file as a path (relative: to the dataset directory), bytes or a
+``{"bytes", "path"}`` struct, or one video given as its frames (a list of image cells, taken at
+HF's assumed 24 frames per second); a cell that is a list holds several videos, so a video given
+as frames is a list inside that list (``videos: [[frame0, frame1, ...]]``).
 
 Choosing (:func:`choose_layout`): ``format="auto"`` picks the first layout whose columns the schema
 has, in the order ``messages``, ``llava``, ``cauldron``, ``vqa`` (a column override such as
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -43,6 +48,7 @@ FORMATS: tuple[str, ...] = ("auto", "vqa", "messages", "llava", "cauldron")
 
 COLUMN_ROLES: tuple[str, ...] = (
     "image",
+    "video",
     "question",
     "answer",
     "messages",
@@ -53,6 +59,9 @@ COLUMN_ROLES: tuple[str, ...] = (
 
 LLAVA_IMAGE = "<image>"
 """The image marker inside LLaVA / ShareGPT turn values."""
+LLAVA_VIDEO = "<video>"
+"""The video marker inside LLaVA-Video turn values."""
+_LLAVA_MARKS = re.compile(f"({re.escape(LLAVA_IMAGE)}|{re.escape(LLAVA_VIDEO)})")
 
 ROLE_NAMES: dict[str, str] = {
     "system": "system",
@@ -74,9 +83,12 @@ class ChatSample:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     """HF chat format: ``{"role", "content"}``, content a string or a list of ``{"type": "image"}``
-    / ``{"type": "text", "text": str}`` parts (normalised: no other keys)."""
+    / ``{"type": "video"}`` / ``{"type": "text", "text": str}`` parts (normalised: no other
+    keys)."""
     images: list[Any] = field(default_factory=list)
     """Image cells as stored, one per image part, in order; decoded by the processing step."""
+    videos: list[Any] = field(default_factory=list)
+    """Video cells as stored (a file, or a list of frame cells), one per video part, in order."""
 
 
 def _bad(message: str) -> Exception:
@@ -93,6 +105,11 @@ def image_cells(cell: Any) -> list[Any]:
     if isinstance(cell, (list, tuple)):
         return list(cell)
     return [cell]
+
+
+video_cells = image_cells
+"""A row's video cell as a list, by :func:`image_cells`' rule (a list holds several videos; a
+video given as frames is a list inside it)."""
 
 
 def _json_cell(cell: Any, what: str) -> Any:
@@ -146,6 +163,8 @@ def _parts(content: Any, k: int) -> str | list[dict[str, Any]]:
         kind = p.get("type") or ("text" if p.get("text") is not None else None)
         if kind in ("image", "image_url"):
             out.append({"type": "image"})
+        elif kind in ("video", "video_url"):
+            out.append({"type": "video"})
         elif kind == "text":
             out.append({"type": "text", "text": _text(p.get("text"), f"turn {k} part {j}")})
         else:
@@ -163,9 +182,12 @@ def _n_image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
     )
 
 
-def vqa_messages(n_images: int, question: Any, answer: Any) -> list[dict[str, Any]]:
-    """The conversation of a VQA row: the images then the question, then the answer."""
+def vqa_messages(
+    n_images: int, question: Any, answer: Any, n_videos: int = 0
+) -> list[dict[str, Any]]:
+    """The conversation of a VQA row: the images, the videos, the question; then the answer."""
     user: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    user += [{"type": "video"} for _ in range(n_videos)]
     user.append({"type": "text", "text": "" if question is None else str(question)})
     return [
         {"role": "user", "content": user},
@@ -195,7 +217,7 @@ class Layout:
     name: ClassVar[str]
     ROLES: ClassVar[dict[str, tuple[str, ...]]]
     """Role -> the column names looked for, in order."""
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("image",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("image", "video")
 
     @classmethod
     def match(cls, columns: Sequence[str], overrides: Mapping[str, str], where: str):
@@ -236,8 +258,12 @@ class Layout:
         return tuple(c for c in self.mapping().values() if c is not None)
 
     def describe(self) -> dict[str, Any]:
-        """The layout and its column mapping (part of the cache key)."""
-        return {"layout": self.name, "columns": self.mapping()}
+        """The layout and its column mapping (part of the cache key). A layout without a video
+        column describes itself as it did before videos (no ``video`` entry)."""
+        cols = self.mapping()
+        if cols.get("video", "") is None:
+            del cols["video"]
+        return {"layout": self.name, "columns": cols}
 
     def parse(self, raw: dict[str, Any]) -> ChatSample:
         raise NotImplementedError
@@ -250,19 +276,32 @@ class VQALayout(Layout):
     image: str | None
     question: str
     answer: str
+    video: str | None = None
     name: ClassVar[str] = "vqa"
     ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
         "image": ("image", "images", "img"),
+        "video": ("video", "videos"),
         "question": ("question", "prompt", "query"),
         "answer": ("answer", "multiple_choice_answer", "answers", "response"),
     }
 
     def parse(self, raw: dict[str, Any]) -> ChatSample:
+        """A VQA row is about its media: with a media column, a row without any is a counted
+        skip (a question about a missing picture is not a text-only sample); with none (a
+        text-only QA set) every row is text."""
         images = image_cells(raw.get(self.image)) if self.image else []
+        videos = video_cells(raw.get(self.video)) if self.video else []
+        if (self.image or self.video) and not images and not videos:
+            from torchtitan_ext.vl.errors import SampleError
+
+            cols = " / ".join(repr(c) for c in (self.image, self.video) if c)
+            reason = "missing_image" if self.image else "missing_video"
+            raise SampleError(reason, f"column {cols} is null or empty in this row")
         ans = raw.get(self.answer)
         if isinstance(ans, (list, tuple)):
             ans = _most_frequent(ans)
-        return ChatSample(vqa_messages(len(images), raw.get(self.question), ans), images)
+        msgs = vqa_messages(len(images), raw.get(self.question), ans, len(videos))
+        return ChatSample(msgs, images, videos)
 
 
 @dataclass(frozen=True)
@@ -271,10 +310,12 @@ class MessagesLayout(Layout):
 
     messages: str
     image: str | None
+    video: str | None = None
     name: ClassVar[str] = "messages"
     ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
         "messages": ("messages",),
         "image": ("images", "image"),
+        "video": ("videos", "video"),
     }
 
     def parse(self, raw: dict[str, Any]) -> ChatSample:
@@ -284,7 +325,8 @@ class MessagesLayout(Layout):
             content = t.get("content", t.get("value"))
             msgs.append({"role": _role(t, k), "content": _parts(content, k)})
         images = image_cells(raw.get(self.image)) if self.image else []
-        return ChatSample(messages=msgs, images=images)
+        videos = video_cells(raw.get(self.video)) if self.video else []
+        return ChatSample(messages=msgs, images=images, videos=videos)
 
 
 @dataclass(frozen=True)
@@ -293,10 +335,12 @@ class LlavaLayout(Layout):
 
     conversations: str
     image: str | None
+    video: str | None = None
     name: ClassVar[str] = "llava"
     ROLES: ClassVar[dict[str, tuple[str, ...]]] = {
         "conversations": ("conversations",),
         "image": ("image", "images"),
+        "video": ("video", "videos"),
     }
 
     def parse(self, raw: dict[str, Any]) -> ChatSample:
@@ -305,18 +349,21 @@ class LlavaLayout(Layout):
         for k, t in enumerate(turns):
             value = _text(t.get("value", t.get("content")), f"turn {k}")
             role = _role(t, k)
-            if LLAVA_IMAGE not in value:
+            if LLAVA_IMAGE not in value and LLAVA_VIDEO not in value:
                 msgs.append({"role": role, "content": value})
                 continue
             parts: list[dict[str, Any]] = []
-            for j, piece in enumerate(value.split(LLAVA_IMAGE)):
-                if j:
+            for piece in _LLAVA_MARKS.split(value):  # text, marker, text, marker, ..., text
+                if piece == LLAVA_IMAGE:
                     parts.append({"type": "image"})
-                if piece:
+                elif piece == LLAVA_VIDEO:
+                    parts.append({"type": "video"})
+                elif piece:
                     parts.append({"type": "text", "text": piece})
             msgs.append({"role": role, "content": parts})
         images = image_cells(raw.get(self.image)) if self.image else []
-        return ChatSample(messages=msgs, images=images)
+        videos = video_cells(raw.get(self.video)) if self.video else []
+        return ChatSample(messages=msgs, images=images, videos=videos)
 
 
 @dataclass(frozen=True)

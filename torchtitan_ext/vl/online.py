@@ -72,7 +72,7 @@ def assemble_pack(samples: Sequence[Any], length: int, pad_id: int) -> dict[str,
         )
         pos[:, o : o + n] = s.position_ids
         o += n
-    return {
+    pack = {
         "input_ids": ids,
         "labels": labels,
         "position_ids": pos,
@@ -81,6 +81,11 @@ def assemble_pack(samples: Sequence[Any], length: int, pad_id: int) -> dict[str,
         "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]),
         "num_tokens": torch.tensor(total, dtype=torch.int64),
     }
+    vids = [s for s in samples if len(s.video_grid_thw)]
+    if vids:  # as a cache's pack: the video keys only when the pack holds a video
+        pack["video_u8"] = torch.cat([s.video_u8 for s in vids])
+        pack["video_grid_thw"] = torch.cat([s.video_grid_thw for s in vids])
+    return pack
 
 
 CHUNK_ROWS = 256
@@ -109,12 +114,21 @@ class _Rows:
     def __len__(self) -> int:
         return self.num_rows
 
+    def _parse(self, raw: dict[str, Any]) -> Any:
+        """The parsed row, or the SampleError that skips it (raised where rows are processed)."""
+        from torchtitan_ext.vl.processor import SampleError
+
+        try:
+            return self.src.parse(raw)
+        except SampleError as e:
+            return e
+
     def __getitem__(self, i: int) -> Any:
         c = i // CHUNK_ROWS
         if c != self._chunk:
             a = c * CHUNK_ROWS
             raw = self.src.read(a, min(a + CHUNK_ROWS, self.num_rows))
-            self._rows = [self.src.parse(r) for r in raw]
+            self._rows = [self._parse(r) for r in raw]
             self._chunk = c
         return self._rows[i - c * CHUNK_ROWS]
 
@@ -207,9 +221,10 @@ class OnlineVLDataset(IterableDataset):
         from torchtitan_ext.vl.row_work import process_parsed
 
         try:
-            return process_parsed(
-                self.processor, self.rows[row_index], self.build_config, True, self.root
-            )
+            row = self.rows[row_index]
+            if isinstance(row, SampleError):  # the layout refused the row (missing_image, ...)
+                raise row
+            return process_parsed(self.processor, row, self.build_config, True, self.root)
         except SampleError as e:
             if self.strict:
                 raise ValueError(f"row {row_index}: {e}") from e

@@ -37,7 +37,8 @@ class SourceOptions:
     dataset: str = ""
     """Source dataset: a local Parquet directory / file, a Hugging Face dataset name,
     ``"sample"`` (the small VQA set generated from torchtitan_ext/data/vl_src) or
-    ``"sample_chat"`` (the small chat set made from the same images). Part of the cache key.
+    ``"sample_chat"`` (the small chat set made from the same images) or ``"sample_video"``
+    (generated clips of a moving square, ``vl/sample_video.py``). Part of the cache key.
     Required unless ``dataset_path`` or ``cache_path`` is set."""
 
     dataset_path: str | None = None
@@ -49,7 +50,7 @@ class SourceOptions:
 
     cache_dir: str = "./preprocessed_cache"
     """Root directory of caches; each key gets a sub-directory: a sample store
-    ``<dataset>_<split>_store_<hash>`` (a packed cache of format v2:
+    ``<dataset>_<split>_store_<hash>`` (a packed cache:
     ``<dataset>_<split>_seq<L>_buf<B>_<hash>``)."""
 
     cache_path: str | None = None
@@ -57,17 +58,17 @@ class SourceOptions:
 
     pack_seq_len: int | None = None
     """Pack length (tokens). None: the trainer's ``training.seq_len``. A sample store is
-    planned for it when the loader starts (any value; nothing is rebuilt); a packed v2 cache
+    planned for it when the loader starts (any value; nothing is rebuilt); a packed cache
     must have been built with it (part of its key)."""
 
     buffer_size: int = 64
-    """Samples the best-fit packer chooses from (the plan's; part of a packed v2 cache's
+    """Samples the best-fit packer chooses from (the plan's; part of a packed cache's
     key)."""
 
     buckets: list[int] | None = None
     """Allowed padded pack lengths (each <= pack_seq_len); None: every pack is padded to
     pack_seq_len. Fewer distinct shapes -> fewer torch.compile recompilations. The plan's
-    (part of a packed v2 cache's key)."""
+    (part of a packed cache's key)."""
 
     model_path: str | None = None
     """Qwen3-VL model/processor directory (tokenizer + preprocessor config); None: the
@@ -111,6 +112,9 @@ class SourceOptions:
     image_column: str | None = BuildConfig.image_column
     """The image column (None: detected); ``--image-column``."""
 
+    video_column: str | None = BuildConfig.video_column
+    """The video column (None: detected); ``--video-column``."""
+
     question_column: str | None = BuildConfig.question_column
     """vqa: the question column (None: detected); ``--question-column``."""
 
@@ -129,6 +133,29 @@ class SourceOptions:
     truncate: bool = BuildConfig.truncate
     """A sample longer than the pack length drops whole trailing turns instead of being
     skipped as too_long (part of the key); ``--truncate``."""
+
+    video_fps: float = BuildConfig.video_fps
+    """Video frames sampled per second (part of the key); ``--video-fps``."""
+
+    video_min_frames: int = BuildConfig.video_min_frames
+    """At least this many frames sampled per video (part of the key); ``--video-min-frames``."""
+
+    video_max_frames: int = BuildConfig.video_max_frames
+    """At most this many frames sampled per video (part of the key); ``--video-max-frames``."""
+
+    video_min_pixels: int = BuildConfig.video_min_pixels
+    """Pixel budget floor of a video's sampled frames together (part of the key);
+    ``--video-min-pixels``."""
+
+    video_max_pixels: int = BuildConfig.video_max_pixels
+    """Pixel budget of a video's sampled frames together (part of the key);
+    ``--video-max-pixels``."""
+
+    video_cap_pixels_per_frame: bool = BuildConfig.video_cap_pixels_per_frame
+    """qwen-vl-utils' per-frame pixel cap (part of the key); ``--video-cap-pixels-per-frame``."""
+
+    video_max_tokens: int = BuildConfig.video_max_tokens
+    """Token ceiling per frame of that cap (part of the key); ``--video-max-tokens``."""
 
     def build_options(self) -> dict[str, Any]:
         """The fields that are :class:`~torchtitan_ext.vl.build_config.BuildConfig` options

@@ -11,7 +11,7 @@ opens its packs with :func:`open_packs`.
    ``seq_len`` / ``buffer_size`` / ``buckets``: those only make the plan, ``vl/plan.py``); when
    the source is a local path that no longer exists, the store whose manifest records this
    source and processor (one line says its fingerprint could not be re-checked); else a packed
-   cache (format v2, built before stores) of the full key;
+   cache (packs fixed at build time) of the full key;
 4. else ``build_if_missing`` -> build the store now (``build_cache`` splits the shards over the
    job's ranks via RANK/WORLD_SIZE; every rank returns once it is complete);
 5. else None: the caller falls back to ``vl.online.OnlineVLDataset``, which runs the *same*
@@ -42,11 +42,13 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_DATASET = "sample"
 SAMPLE_CHAT_DATASET = "sample_chat"
+SAMPLE_VIDEO_DATASET = "sample_video"
 
 
 def resolve_dataset(name: str | Path) -> str | Path:
     """A dataset argument: the generated VQA sample for ``"sample"``, the generated chat sample
-    for ``"sample_chat"``, anything else as it is."""
+    for ``"sample_chat"``, the generated video sample for ``"sample_video"``, anything else as
+    it is."""
     if name == SAMPLE_DATASET:
         from torchtitan_ext.vl.sample_data import sample_dataset_path
 
@@ -55,6 +57,10 @@ def resolve_dataset(name: str | Path) -> str | Path:
         from torchtitan_ext.vl.sample_chat import chat_sample_path
 
         return chat_sample_path()
+    if name == SAMPLE_VIDEO_DATASET:
+        from torchtitan_ext.vl.sample_video import video_sample_path
+
+        return video_sample_path()
     return name
 
 
@@ -69,7 +75,7 @@ def dataset_arg(req: SourceOptions) -> str | Path:
     if not req.dataset:
         raise ValueError(
             "dataloader.dataset is required for the cached_vl loader: a local Parquet "
-            "directory, a Hugging Face dataset name, 'sample' or 'sample_chat' (or set "
+            "directory, a Hugging Face dataset name, 'sample', 'sample_chat' or 'sample_video' (or set "
             "dataloader.cache_path)"
         )
     return resolve_dataset(req.dataset)

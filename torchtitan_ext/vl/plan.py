@@ -206,17 +206,18 @@ class PlannedStore:
         array (gathered from several samples; ``copy_pixels`` is accepted for the interface)."""
         a, m = self._locate(i)
         o = a["pack_offsets"]  # a store's "pack" j is sample j: its token/image/patch ranges
-        lo, hi = o[m], o[m + 1]
+        vo = a["video_offsets"]  # ... and its video / video patch ranges
 
-        def gather(col: str, c: int) -> np.ndarray:
-            src = a[col]
-            return np.concatenate([src[x:y] for x, y in zip(lo[:, c].tolist(), hi[:, c].tolist(),
-                                                              strict=True)])  # fmt: skip
+        def gather(col: str, offsets: np.ndarray, c: int) -> np.ndarray:
+            src, lo, hi = a[col], offsets[m, c].tolist(), offsets[m + 1, c].tolist()
+            return np.concatenate([src[x:y] for x, y in zip(lo, hi, strict=True)])
 
         return assemble_pack(
-            gather("tokens", 1), gather("label_mask", 1), a["sample_lens"][m],
-            gather("grid_thw", 2), gather("pixels", 3), int(self.plan.pack_len[i]),
+            gather("tokens", o, 1), gather("label_mask", o, 1), a["sample_lens"][m],
+            gather("grid_thw", o, 2), gather("pixels", o, 3), int(self.plan.pack_len[i]),
             self.special_tokens, self.spatial_merge_size, copy_pixels=False,
+            video_grid_thw=gather("video_grid_thw", vo, 0),
+            video_pixels=gather("video_pixels", vo, 1),
         )  # fmt: skip
 
     def pack_shape(self, i: int) -> int:

@@ -4,7 +4,7 @@ Thin CLI over :func:`torchtitan_ext.vl.build.build_cache` (see build.py for the 
 cache.py for the layout). It builds the *sample store* (``vl/plan.py``: every image processed
 once, whatever the pack length); ``--seq-len`` / ``--buffer-size`` / ``--buckets`` are the plan's
 options: the plan is computed from the stored lengths and its stats printed (a new value plans
-the same store again, in seconds). ``--packed`` builds the packed cache of format v2 instead
+the same store again, in seconds). ``--packed`` builds a packed cache instead
 (packs fixed at build time; its key holds the plan options). With ``RANK``/``WORLD_SIZE`` set (torchrun or a job array) each rank
 builds its share of shards; every rank returns once the manifest is written. ``--dataset sample``
 and ``--dataset sample_chat`` use the generated sample datasets (``torchtitan_ext.vl.sample_data``).
@@ -50,7 +50,8 @@ def _source_args(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument(
         "--dataset",
         required=True,
-        help="local Parquet file/dir/glob, a hub dataset name, 'sample' (VQA) or 'sample_chat'",
+        help="local Parquet file/dir/glob, a hub dataset name, 'sample' (VQA), 'sample_chat' or "
+        "'sample_video'",
     )
     p.add_argument("--split", default=d["split"])
     p.add_argument(
@@ -95,7 +96,7 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
         help="comma-separated padded lengths (<= seq-len; the plan's); default: pad to seq-len",
     )
     p.add_argument("--packed", action="store_true",
-                   help="build the packed cache of format v2 (packs fixed at build time) instead "
+                   help="build a packed cache (packs fixed at build time) instead "
                    "of the sample store")  # fmt: skip
     p.add_argument(
         "--model-path",
@@ -116,6 +117,7 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
         default=d["exif_transpose"],
         help="turn photos upright by their EXIF orientation, as HF datasets does (part of the key)",
     )
+    _video_args(p, d)
     p.add_argument(
         "--fingerprint",
         choices=FINGERPRINTS,
@@ -123,6 +125,28 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
         help="'full': hash every byte of the source files for the cache key (remembered per file "
         "by size+mtime); 'quick': size + first/last MiB only (misses same-size edits mid-file)",
     )
+
+
+def _video_args(p: argparse.ArgumentParser, d: dict) -> None:
+    """The video knobs (``BuildConfig.video_*``, part of the key): one flag each."""
+    from torchtitan_ext.vl.build_config import VIDEO_OPTIONS
+
+    what = {
+        "video_fps": "frames sampled per second of video",
+        "video_min_frames": "sample at least this many frames of a video",
+        "video_max_frames": "sample at most this many frames of a video",
+        "video_min_pixels": "pixel budget floor of a video's sampled frames together",
+        "video_max_pixels": "pixel budget of a video's sampled frames together",
+        "video_cap_pixels_per_frame": "qwen-vl-utils' per-frame pixel cap",
+        "video_max_tokens": "the per-frame cap's token ceiling",
+    }
+    for name in VIDEO_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        text = f"{what[name]} (default {d[name]}; part of the key)"
+        if isinstance(d[name], bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=d[name], help=text)
+        else:
+            p.add_argument(flag, type=type(d[name]), default=d[name], help=text)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -187,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     how = "detected" if a.format == "auto" else "as asked"
     print(f"cache: {path}")
     print(f"row layout {lay['layout']} ({how}) from columns {cols}")
+    print(f"{lay['layout']} samples: {st['samples_packed']} kept, {st['samples_text_only']} "
+          f"text-only; {st['images']} images, {st['videos']} videos")  # fmt: skip
     skipped = dict(st["skipped"])
     if a.packed:
         packs, samples, fill = st["packs"], st["samples_packed"], st["fill_pct"]["mean"]

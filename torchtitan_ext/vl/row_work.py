@@ -37,12 +37,44 @@ def process_parsed(
                 pil.append(decode_image(cell, config.max_image_pixels, config.exif_transpose, root))
             except SampleError as e:
                 raise e.at_image(i, n) from None
+        videos = decode_videos(processor, sample.videos, config, root)
         return process_chat(processor, sample.messages, pil, max_len=sample_max_len(config),
-                            positions=positions, truncate=config.truncate)  # fmt: skip
+                            positions=positions, truncate=config.truncate,
+                            videos=videos)  # fmt: skip
     except SampleError:
         raise
     except Exception as e:  # one row's failure is that row's counted skip, whatever it is
         raise SampleError.from_exception("processor_error", e) from e
+
+
+FRAME_LIST_FPS = 24.0
+"""The frame rate of a video given as a list of frames: transformers' assumption when a video
+has no metadata (``Qwen3VLVideoProcessor.sample_frames`` "Defaulting to fps=24")."""
+
+
+def decode_videos(processor, cells: list[Any], config: BuildConfig, root: Path | None) -> list:
+    """A row's video cells -> ``VideoPatches`` (``vl/video.py``), with the build's video options.
+    A cell that is a list is one video given as its frames (each an image cell, decoded as the
+    row's images are); anything else is a video file. A failure names the video's index."""
+    from torchtitan_ext.vl.build_config import video_options
+    from torchtitan_ext.vl.processor import ImageParams, SampleError, decode_image
+    from torchtitan_ext.vl.video import VideoProcessor
+
+    if not cells:
+        return []
+    vp = VideoProcessor(video_options(config, ImageParams.from_processor(processor)))
+    out = []
+    for i, cell in enumerate(cells):
+        try:
+            if isinstance(cell, (list, tuple)):
+                frames = [decode_image(f, config.max_image_pixels, config.exif_transpose, root)
+                          for f in cell]  # fmt: skip
+                out.append(vp.from_frames(frames, FRAME_LIST_FPS))
+            else:
+                out.append(vp(cell, root))
+        except SampleError as e:
+            raise e.at_video(i, len(cells)) from None
+    return out
 
 
 _W: dict[str, Any] = {}
@@ -84,4 +116,6 @@ def process_row(item: tuple[int, dict[str, Any]]) -> ProcessedRow | Skip:
         pixels=s.pixel_u8.numpy(),
         grid_thw=s.image_grid_thw.numpy().astype(np.int32),
         turns_dropped=int(s.extra.get("turns_dropped", 0)),
+        video_pixels=s.video_u8.numpy() if len(s.video_grid_thw) else None,
+        video_grid_thw=s.video_grid_thw.numpy().astype(np.int32) if len(s.video_grid_thw) else None,
     )

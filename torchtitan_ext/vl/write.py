@@ -35,6 +35,7 @@ from torchtitan_ext.vl.format import (
     FORMAT_VERSION,
     MANIFEST,
     PACKING_STATS,
+    SHARD_COUNTS,
     SHARD_META,
     SHARD_STATS,
     SHARDS,
@@ -64,6 +65,19 @@ class ProcessedRow:
     """int32 [images, 3]."""
     turns_dropped: int = 0
     """Trailing turns cut off to fit ``seq_len`` (``truncate``); 0: the whole row."""
+    video_pixels: np.ndarray | None = None
+    """uint8 [video patches, 3 * temporal_patch_size * patch_size**2] (``vl/video.py``'s rows),
+    videos in token order; None: no video."""
+    video_grid_thw: np.ndarray | None = None
+    """int32 [videos, 3]; None: no video."""
+
+    @property
+    def n_videos(self) -> int:
+        return 0 if self.video_grid_thw is None else len(self.video_grid_thw)
+
+    @property
+    def n_video_patches(self) -> int:
+        return 0 if self.video_pixels is None else len(self.video_pixels)
 
 
 @dataclass
@@ -85,6 +99,10 @@ class _ShardCounts:
     padded_tokens: int = 0
     images: int = 0
     patches: int = 0
+    videos: int = 0
+    video_patches: int = 0
+    text_only: int = 0
+    """Samples with neither an image nor a video."""
     rows_read: int = 0
     truncated: int = 0
     turns_dropped: int = 0
@@ -104,9 +122,10 @@ class _ShardCounts:
 
 def _pack_order(
     ok: list[ProcessedRow], seq_len: int, buffer_size: int, buckets: list[int], store: bool
-) -> tuple[list[ProcessedRow], np.ndarray, np.ndarray]:
-    """Samples in pack order, pack offsets [K+1, 4] (sample, token, image, patch) and padded
-    lengths [K]. ``store``: every sample its own unpadded "pack", in row order."""
+) -> tuple[list[ProcessedRow], np.ndarray, np.ndarray, np.ndarray]:
+    """Samples in pack order, pack offsets [K+1, 4] (sample, token, image, patch), padded
+    lengths [K] and video offsets [K+1, 2] (video, video patch). ``store``: every sample its
+    own unpadded "pack", in row order."""
     from torchtitan_ext.vl.packing import best_fit_packs, bucket_length
 
     if store:
@@ -115,6 +134,7 @@ def _pack_order(
         packs = list(best_fit_packs([len(r.tokens) for r in ok], seq_len, buffer_size))
     order = [ok[i] for p in packs for i in p]
     offsets = np.zeros((len(packs) + 1, 4), dtype=np.int64)
+    voffsets = np.zeros((len(packs) + 1, 2), dtype=np.int64)
     pack_len = np.zeros(len(packs), dtype=np.int32)
     k = 0
     for j, p in enumerate(packs):
@@ -126,9 +146,13 @@ def _pack_order(
             sum(len(r.grid_thw) for r in rows),
             sum(len(r.pixels) for r in rows),
         )
+        voffsets[j + 1] = voffsets[j] + (
+            sum(r.n_videos for r in rows),
+            sum(r.n_video_patches for r in rows),
+        )
         pack_len[j] = nt if store else bucket_length(nt, buckets)
         k += len(p)
-    return order, offsets, pack_len
+    return order, offsets, pack_len, voffsets
 
 
 def write_shard(
@@ -140,10 +164,12 @@ def write_shard(
     patch_dim: int,
     *,
     store: bool = False,
+    video_dim: int | None = None,
 ) -> dict[str, Any]:
     """Pack one shard's rows and write its TensorDict memmap + ``stats.json`` into ``out``.
     ``store``: a sample store's shard: one unpadded sample per pack entry, in row order (the
-    same columns, so the same checks, ``verify`` and ``inspect-cache`` apply)."""
+    same columns, so the same checks, ``verify`` and ``inspect-cache`` apply). ``video_dim``:
+    the video row width (default ``2 * patch_dim``: a temporal patch of 2)."""
     from tensordict import TensorDict
 
     counts = _ShardCounts(rows_read=len(rows))
@@ -155,7 +181,10 @@ def write_shard(
             ok.append(r)
             counts.truncated += r.turns_dropped > 0
             counts.turns_dropped += r.turns_dropped
-    order, offsets, pack_len = _pack_order(ok, seq_len, buffer_size, buckets, store)
+            counts.text_only += len(r.grid_thw) == 0 and r.n_videos == 0
+    order, offsets, pack_len, voffsets = _pack_order(ok, seq_len, buffer_size, buckets, store)
+    video_dim = 2 * patch_dim if video_dim is None else video_dim
+    vids = [r for r in order if r.n_videos]
 
     def cat(xs: list[np.ndarray], dtype, tail=()) -> torch.Tensor:
         if not xs:
@@ -172,6 +201,9 @@ def write_shard(
             "sample_rows": torch.tensor([r.row for r in order], dtype=torch.int64),
             "pack_offsets": torch.from_numpy(offsets),
             "pack_len": torch.from_numpy(pack_len),
+            "video_pixels": cat([r.video_pixels for r in vids], np.uint8, (video_dim,)),
+            "video_grid_thw": cat([r.video_grid_thw for r in vids], np.int32, (3,)),
+            "video_offsets": torch.from_numpy(voffsets if vids else voffsets[:0]),
         },
         batch_size=[],
     )
@@ -187,7 +219,8 @@ def write_shard(
     counts.tokens = int(offsets[-1, 1])
     counts.padded_tokens = int(pack_len.sum())
     counts.images, counts.patches = int(offsets[-1, 2]), int(offsets[-1, 3])
-    _check_meta_json(out, asdict(counts), patch_dim)
+    counts.videos, counts.video_patches = int(voffsets[-1, 0]), int(voffsets[-1, 1])
+    _check_meta_json(out, asdict(counts), patch_dim, video_dim)
     files = {}
     for f in sorted(out.iterdir()):
         size = f.stat().st_size
@@ -201,6 +234,7 @@ def write_shard(
         "pack_fill": [round(float(x), 6) for x in fills],
         "pack_samples": (offsets[1:, 0] - offsets[:-1, 0]).tolist(),
         "pack_images": (offsets[1:, 2] - offsets[:-1, 2]).tolist(),
+        "pack_videos": (voffsets[1:, 0] - voffsets[:-1, 0]).tolist(),
         "pack_len": pack_len.tolist(),
     }
     with open(out / SHARD_STATS, "w") as f:
@@ -209,10 +243,10 @@ def write_shard(
     return stats
 
 
-def _check_meta_json(out: Path, counts: dict[str, Any], patch_dim: int) -> None:
+def _check_meta_json(out: Path, counts: dict[str, Any], patch_dim: int, video_dim: int) -> None:
     """tensordict wrote exactly our columns (the format holds no NonTensorData)."""
     doc = json.loads((out / SHARD_META).read_text())
-    shapes = {c.name: column_shape(c, counts, patch_dim) for c in COLUMNS}
+    shapes = {c.name: column_shape(c, counts, patch_dim, video_dim) for c in COLUMNS}
     problem = shard_meta_problem(doc, shapes, shard_meta_template(doc))
     if problem:
         raise RuntimeError(f"{out / SHARD_META}: {problem} (tensordict wrote an unexpected layout)")
@@ -268,15 +302,15 @@ def _dist(xs: Sequence[float]) -> dict[str, float]:
     }
 
 
-_TOTALS = ("packs", "samples", "tokens", "padded_tokens", "images", "patches", "rows_read",
-           "truncated", "turns_dropped")  # fmt: skip
+_TOTALS = ("packs", "samples", "tokens", "padded_tokens", "images", "patches", "videos",
+           "video_patches", "text_only", "rows_read", "truncated", "turns_dropped")  # fmt: skip
 
 
 def _gather(kdir: Path, ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """Every shard's stats.json folded: totals, skips, per-pack lists, shard docs, file records."""
     g: dict[str, Any] = {
         "tot": Counter(), "skipped": Counter(), "rows": {}, "errors": {}, "fill": [],
-        "spp": [], "ipp": [], "plen": [], "shards": [], "files": {},
+        "spp": [], "ipp": [], "vpp": [], "plen": [], "shards": [], "files": {},
     }  # fmt: skip
     for k, (a, b) in enumerate(ranges):
         d = kdir / SHARDS / f"{k:05d}"
@@ -297,10 +331,10 @@ def _gather(kdir: Path, ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
         g["fill"] += st["pack_fill"]
         g["spp"] += st["pack_samples"]
         g["ipp"] += st["pack_images"]
+        g["vpp"] += st["pack_videos"]
         g["plen"] += st["pack_len"]
         shard = {"name": f"{k:05d}", "rows": [a, b]}
-        g["shards"].append(shard | {c: st[c] for c in ("packs", "samples", "tokens", "images",
-                                                       "patches")})  # fmt: skip
+        g["shards"].append(shard | {c: st[c] for c in SHARD_COUNTS})
     return g
 
 
@@ -317,6 +351,7 @@ def _packing_stats(g: dict[str, Any], kdir: Path) -> dict[str, Any]:
         "rows_read": tot["rows_read"],
         "samples_packed": tot["samples"],
         "samples_truncated": tot["truncated"],
+        "samples_text_only": tot["text_only"],
         "turns_dropped": tot["turns_dropped"],
         "skipped_total": n_skip,
         "skipped": dict(sorted(skipped.items())),
@@ -325,11 +360,14 @@ def _packing_stats(g: dict[str, Any], kdir: Path) -> dict[str, Any]:
         "reconciles": True,
         "samples_per_pack": _dist(g["spp"]),
         "images_per_pack": _dist(g["ipp"]),
+        "videos_per_pack": _dist(g["vpp"]),
         "fill_pct": {k: round(v * 100, 2) for k, v in _dist(g["fill"]).items()},
         "tokens": tot["tokens"],
         "padded_tokens": tot["padded_tokens"],
         "images": tot["images"],
         "patches": tot["patches"],
+        "videos": tot["videos"],
+        "video_patches": tot["video_patches"],
         "bucket_counts": {str(b): c for b, c in sorted(Counter(g["plen"]).items())},
     }
 
@@ -367,6 +405,8 @@ def write_manifest(
             "padded_tokens": tot["padded_tokens"],
             "images": tot["images"],
             "patches": tot["patches"],
+            "videos": tot["videos"],
+            "video_patches": tot["video_patches"],
         },
         "storage": {
             **{c.name: f"{c.dtype} {_shape_doc(c)}" for c in COLUMNS},
@@ -391,7 +431,8 @@ def write_manifest(
 
 
 def _shape_doc(c) -> str:
-    rows = {"packs": "K", "samples": "S", "tokens": "T", "images": "I", "patches": "P"}[c.count]
+    rows = {"packs": "K", "samples": "S", "tokens": "T", "images": "I", "patches": "P",
+            "videos": "V", "video_patches": "VP"}[c.count]  # fmt: skip
     rows += "+1" if c.plus_one else ""
-    width = "3*patch^2" if c.width == -1 else str(c.width)
+    width = {-1: "3*patch^2", -2: "3*temporal_patch*patch^2"}.get(c.width, str(c.width))
     return f"[{rows}, {width}]" if c.width else f"[{rows}]"
