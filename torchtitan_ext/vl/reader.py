@@ -33,9 +33,9 @@ from torchtitan_ext.vl.collate import (
     BATCH_FORMATS,
     PackCollator,
     PixelNorm,
-    check_special_tokens,
     finish_on_device,
 )
+from torchtitan_ext.vl.collate_torchtitan import check_special_tokens
 from torchtitan_ext.vl.options import BatchOptions, OrderOptions, SourceOptions, WorkerOptions
 from torchtitan_ext.vl.pack_source import open_packs
 from torchtitan_ext.vl.stages import (

@@ -40,7 +40,7 @@ from torchtitan_ext.models.qwen3_vl.flavors import (
 )
 
 FORMAT = "qwen3_vl"
-# torchtitan's special-token names (as vl.collate.check_special_tokens compares them) -> the
+# torchtitan's special-token names (as vl.collate_torchtitan.check_special_tokens compares them) -> the
 # model config's keys
 TOKEN_KEYS = {
     "image_id": "image_token_id",
@@ -169,7 +169,7 @@ def _token_problems(
     hf_config: dict, special: dict[str, int], vocab: int | None, model_from: str, cache_from: str
 ) -> list[str]:
     """Why the cache's special tokens / vocabulary do not fit the model ([] if they do)."""
-    from torchtitan_ext.vl.collate import check_special_tokens
+    from torchtitan_ext.vl.collate_torchtitan import check_special_tokens
 
     out = []
     try:
