@@ -139,7 +139,8 @@ CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711
         (*CLIP, 1 / 255, 2),
         ((0.5,) * 3, (0.5,) * 3, 1 / 127, 1),
         ((0.1, 0.2, 0.3), (0.7, 0.8, 0.9), 1 / 255, 3),
-        ((0.5,) * 3, (0.5,) * 3, 0.003, 2),  # the float32 formula is not exact: 256-value table
+        ((0.1, 0.2, 0.3), (0.25, 0.5, 1.0), 1 / 255, 2),
+        ((0.5,) * 3, (0.5,) * 3, 0.003, 2),  # no float32 formula is exact: 256-value table
     ],
 )
 def test_normalize_every_value_bit_exact(mean, std, factor, t):
@@ -152,9 +153,14 @@ def test_normalize_every_value_bit_exact(mean, std, factor, t):
     np.testing.assert_array_equal(_bits(got), _bits(ref))
 
 
-def test_normalize_fallback_table_is_used_where_the_formula_is_not_exact():
+def test_normalize_picks_the_first_exact_formula():
+    """Qwen's std 0.5 folds into the divisor (two operations); CLIP's std does not (three);
+    a factor that is not 1/integer gets the 256 reference values."""
+    qwen = I._cpu_norm((0.5,) * 3, (0.5,) * 3, 1 / 255)
+    assert qwen.lut is None and qwen.std is None
+    clip = I._cpu_norm(*CLIP, 1 / 255)
+    assert clip.lut is None and clip.std is not None
     assert I._cpu_norm((0.5,) * 3, (0.5,) * 3, 0.003).lut is not None
-    assert I._cpu_norm((0.5,) * 3, (0.5,) * 3, 1 / 255).lut is None
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 700])

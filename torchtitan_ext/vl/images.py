@@ -75,9 +75,7 @@ def normalize_patches(
         tmp = np.empty((min(n, step), c, 1, k), np.float32)
         for i in range(0, n, step):
             f = tmp[: min(step, n - i)]
-            np.divide(src[i : i + step], norm.divisor, out=f, dtype=np.float32)
-            np.subtract(f, norm.mean, out=f)
-            np.divide(f, norm.std, out=f)
+            norm.apply(src[i : i + step], f)
             out[i : i + step] = f  # the temporal copy: one broadcast write
     else:
         for ch in range(c):
@@ -113,37 +111,50 @@ def _normalize_reference(
 
 @dataclass(frozen=True)
 class _CpuNorm:
-    """How the CPU path of ``normalize_patches`` computes one mean/std/factor."""
+    """How the CPU path of ``normalize_patches`` computes one (mean, std, factor): a float32
+    formula ``x / divisor - mean`` (then ``/ std`` unless folded in), constants [1, C, 1, 1],
+    or, where no formula gave the reference's bits, the 256 reference values per channel."""
 
-    divisor: np.float32
+    divisor: np.ndarray
     mean: np.ndarray
-    """float32 [1, C, 1, 1]."""
-    std: np.ndarray
-    """float32 [1, C, 1, 1]."""
-    lut: np.ndarray | None
-    """float32 [C, 256] reference values when the float32 formula is not exact, else None."""
+    std: np.ndarray | None
+    """None: folded into ``divisor`` and ``mean``."""
+    lut: np.ndarray | None = None
+    """float32 [C, 256]: the reference values, used instead of the formula when set."""
+
+    def apply(self, src: np.ndarray, out: np.ndarray) -> None:
+        """uint8 [n, C, 1, k] -> float32 ``out`` of the same shape (formula only)."""
+        np.divide(src, self.divisor, out=out, dtype=np.float32)
+        np.subtract(out, self.mean, out=out)
+        if self.std is not None:
+            np.divide(out, self.std, out=out)
 
 
 @functools.lru_cache(maxsize=32)
 def _cpu_norm(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> _CpuNorm:
-    """The float32 formula's constants, checked against the reference on every uint8 value of
-    every channel (the output depends on nothing else, so this proves it for all inputs)."""
+    """The first float32 formula that gives the reference's bits for every uint8 value of every
+    channel -- the output depends on nothing else, so that proves it for all inputs -- else the
+    reference values. Candidates: ``x / (255 * std) - mean / std`` (two operations; exact when
+    every std is a power of two, as Qwen's 0.5: scaling by 2^k commutes with rounding), then
+    ``(x / 255 - mean) / std`` (``float32(x) / 255`` equals ``float32(float64(x) / 255)`` for
+    all 256 values)."""
     c = len(mean)
     values = torch.arange(256, dtype=torch.uint8).repeat(c).view(1, c * 256)
     ref = _normalize_reference(values, mean, std, 1, rescale_factor).numpy().reshape(c, 256)
     inv = 1.0 / rescale_factor
-    norm = _CpuNorm(
-        divisor=np.float32(round(inv) if abs(inv - round(inv)) < 1e-6 else inv),
-        mean=np.asarray(mean, np.float32).reshape(1, c, 1, 1),
-        std=np.asarray(std, np.float32).reshape(1, c, 1, 1),
-        lut=None,
-    )
-    f = np.divide(values.numpy().reshape(1, c, 1, 256), norm.divisor, dtype=np.float32)
-    np.subtract(f, norm.mean, out=f)
-    np.divide(f, norm.std, out=f)
-    if np.array_equal(f.reshape(c, 256).view(np.int32), ref.view(np.int32)):
-        return norm
-    return _CpuNorm(norm.divisor, norm.mean, norm.std, lut=np.ascontiguousarray(ref))
+    div = float(round(inv)) if abs(inv - round(inv)) < 1e-6 else inv
+    m, sd = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+
+    def col(v) -> np.ndarray:
+        return np.asarray(v, np.float32).reshape(1, c, 1, 1)
+
+    three = _CpuNorm(col([div] * c), col(m), col(sd))
+    for cand in (_CpuNorm(col(div * sd), col(m / sd), None), three):
+        got = np.empty((1, c, 1, 256), np.float32)
+        cand.apply(values.numpy().reshape(1, c, 1, 256), got)
+        if np.array_equal(got.reshape(c, 256).view(np.int32), ref.view(np.int32)):
+            return cand
+    return _CpuNorm(three.divisor, three.mean, three.std, lut=np.ascontiguousarray(ref))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
