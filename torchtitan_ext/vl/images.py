@@ -2,16 +2,17 @@
 
 The fast path of ``vl/sample.py``: decode -> convert to RGB exactly like
 ``transformers.image_transforms.convert_to_rgb`` (alpha composited onto white) -> one PIL bicubic
-resize to ``smart_resize``'s size (the same call the HF PIL backend makes) -> uint8 patchify by a
-single numpy reshape/transpose into the processor's row layout with the duplicated temporal half
-dropped ([N, 3*16*16] = [N, 768]). The HF path instead rescales and normalises the whole image in
+resize to ``smart_resize``'s size (the same call the HF PIL backend makes) -> uint8 patchify,
+band by band in whole patch rows, into the processor's row layout with the duplicated temporal
+half dropped ([N, 3*16*16] = [N, 768]). The HF path instead rescales and normalises the whole image in
 float64/float32 and broadcasts the temporal copy; doing that later (``normalize_patches``, on the
 device or at collate) reproduces its ``pixel_values`` bit-exactly because the HF PIL backend also
 resizes in uint8 before converting.
 
 Speed against the HF processor on 640x480 JPEGs and on the sample set's thumbnails, decode
 included on both sides: ``python -m benchmarks vl_preprocess`` (tables in
-``benchmarks/RESULTS.md``). Pixels are identical after ``normalize_patches``.
+``benchmarks/RESULTS.md``; its "floor" rows time the PIL work alone). Pixels are identical
+after ``normalize_patches``.
 """
 
 from __future__ import annotations
@@ -42,16 +43,16 @@ def normalize_patches(
     The HF PIL backend computes ``float32(float64(x) * rescale_factor)``, then ``(x - mean) / std``
     in float32 per channel, then the temporal copy (the row layout is (C, T, ph, pw)).
 
-    On the CPU the result is one float32 value per (channel, uint8 value), so it is computed in
-    float32 as ``(float32(x) / 255 - mean) / std`` (three correctly rounded IEEE operations,
-    the same bits whether numpy takes a SIMD or a scalar loop) into one temporary, then broadcast
-    once into the [N, C, T, p*p] output: no float64 pass, no second float32 copy. That formula
-    is used only after it gave the reference's bits for all 256 values of every channel
-    (``_cpu_norm``, once per mean/std/factor); a factor or constants for which it does not is
-    served from those 256 reference values instead. On any other device the reference torch
-    arithmetic runs there (``_normalize_reference``); IEEE float64 multiply and float32
-    subtract/divide are correctly rounded on CUDA too, so it should be identical; that is tested
-    by a ``cuda``-marked test but was not run here (no GPU).
+    On the CPU the result is one float32 value per (channel, uint8 value), so a float32 formula
+    that gives the reference's bits for all 256 values of every channel gives them for every
+    input: ``_cpu_norm`` (once per mean/std/factor) picks the first such formula -- for Qwen's
+    constants ``x / 127.5 - 1``, two operations -- or, where none is exact, the 256 reference
+    values. Each operation is a correctly rounded IEEE one, the same bits whether numpy takes
+    a SIMD or a scalar loop. It runs in blocks of rows into one small temporary, broadcast once
+    into the [N, C, T, p*p] output: no float64 pass, no full-size temporaries. On any other
+    device the reference torch arithmetic runs there (``_normalize_reference``); IEEE float64
+    multiply and float32 subtract/divide are correctly rounded on CUDA too, so it should be
+    identical; that is tested by a ``cuda``-marked test but was not run here (no GPU).
     """
     x = torch.as_tensor(u8)
     if x.dtype != torch.uint8 or x.dim() != 2:
@@ -84,9 +85,10 @@ def normalize_patches(
 
 
 _NORM_BLOCK_BYTES = 768 * 1024
-"""Size of ``normalize_patches``' float32 temporary (256 rows of 768 values): measured on the
-2-core EPYC box, 128-512 rows per block were within noise of each other and of one whole-array
-temporary when idle, and cut memory traffic ~3x (the box is usually shared)."""
+"""Size of ``normalize_patches``' float32 temporary (256 rows of 768 values), small enough to
+stay in the CPU cache, so memory sees the output written once rather than several passes over
+a full-size temporary. On the 2-core EPYC box 128-512 rows per block were within noise of each
+other and of one whole-array temporary when the box was otherwise idle."""
 
 
 def _normalize_reference(
