@@ -2,20 +2,22 @@
 
 The fast path of ``vl/sample.py``: decode -> convert to RGB exactly like
 ``transformers.image_transforms.convert_to_rgb`` (alpha composited onto white) -> one PIL bicubic
-resize to ``smart_resize``'s size (the same call the HF PIL backend makes) -> uint8 patchify by a
-single numpy reshape/transpose into the processor's row layout with the duplicated temporal half
-dropped ([N, 3*16*16] = [N, 768]). The HF path instead rescales and normalises the whole image in
+resize to ``smart_resize``'s size (the same call the HF PIL backend makes) -> uint8 patchify,
+band by band in whole patch rows, into the processor's row layout with the duplicated temporal
+half dropped ([N, 3*16*16] = [N, 768]). The HF path instead rescales and normalises the whole image in
 float64/float32 and broadcasts the temporal copy; doing that later (``normalize_patches``, on the
 device or at collate) reproduces its ``pixel_values`` bit-exactly because the HF PIL backend also
 resizes in uint8 before converting.
 
 Speed against the HF processor on 640x480 JPEGs and on the sample set's thumbnails, decode
 included on both sides: ``python -m benchmarks vl_preprocess`` (tables in
-``benchmarks/RESULTS.md``). Pixels are identical after ``normalize_patches``.
+``benchmarks/RESULTS.md``; its "floor" rows time the PIL work alone). Pixels are identical
+after ``normalize_patches``.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from dataclasses import dataclass
@@ -38,10 +40,18 @@ def normalize_patches(
 ) -> torch.Tensor:
     """uint8 patches [N, C*p*p] -> float32 [N, C*T*p*p] equal to the HF processor's pixel_values.
 
-    Mirrors the HF PIL backend's arithmetic exactly: ``float32(float64(x) * rescale_factor)``, then
-    ``(x - mean) / std`` in float32 per channel, then the temporal copy (the row layout is
-    (C, T, ph, pw)). Runs on the input's device. On CPU it is bit-exact (tested). On CUDA,
-    IEEE float64 multiply and float32 subtract/divide are correctly rounded too, so it should be
+    The HF PIL backend computes ``float32(float64(x) * rescale_factor)``, then ``(x - mean) / std``
+    in float32 per channel, then the temporal copy (the row layout is (C, T, ph, pw)).
+
+    On the CPU the result is one float32 value per (channel, uint8 value), so a float32 formula
+    that gives the reference's bits for all 256 values of every channel gives them for every
+    input: ``_cpu_norm`` (once per mean/std/factor) picks the first such formula -- for Qwen's
+    constants ``x / 127.5 - 1``, two operations -- or, where none is exact, the 256 reference
+    values. Each operation is a correctly rounded IEEE one, the same bits whether numpy takes
+    a SIMD or a scalar loop. It runs in blocks of rows into one small temporary, broadcast once
+    into the [N, C, T, p*p] output: no float64 pass, no full-size temporaries. On any other
+    device the reference torch arithmetic runs there (``_normalize_reference``); IEEE float64
+    multiply and float32 subtract/divide are correctly rounded on CUDA too, so it should be
     identical; that is tested by a ``cuda``-marked test but was not run here (no GPU).
     """
     x = torch.as_tensor(u8)
@@ -53,12 +63,100 @@ def normalize_patches(
     n, d = x.shape
     if d % c:
         raise ValueError(f"row width {d} not divisible by {c} channels")
+    if x.device.type != "cpu":
+        return _normalize_reference(x, mean, std, temporal_patch_size, rescale_factor)
+    norm = _cpu_norm(tuple(map(float, mean)), tuple(map(float, std)), float(rescale_factor))
+    k = d // c
+    src = x.numpy().reshape(n, c, 1, k)
+    out = np.empty((n, c, temporal_patch_size, k), np.float32)
+    if norm.lut is None:
+        # in blocks of rows, so that the float32 temporary stays in the CPU cache and memory
+        # sees one write of the output (the arithmetic is elementwise: blocks change no bit)
+        step = max(1, _NORM_BLOCK_BYTES // (4 * d))
+        tmp = np.empty((min(n, step), c, 1, k), np.float32)
+        for i in range(0, n, step):
+            f = tmp[: min(step, n - i)]
+            norm.apply(src[i : i + step], f)
+            out[i : i + step] = f  # the temporal copy: one broadcast write
+    else:
+        for ch in range(c):
+            out[:, ch] = norm.lut[ch][src[:, ch]]
+    return torch.from_numpy(out.reshape(n, c * temporal_patch_size * k))
+
+
+_NORM_BLOCK_BYTES = 768 * 1024
+"""Size of ``normalize_patches``' float32 temporary (256 rows of 768 values), small enough to
+stay in the CPU cache, so memory sees the output written once rather than several passes over
+a full-size temporary. On the 2-core EPYC box 128-512 rows per block were within noise of each
+other and of one whole-array temporary when the box was otherwise idle."""
+
+
+def _normalize_reference(
+    x: torch.Tensor,
+    mean: tuple[float, ...] | list[float],
+    std: tuple[float, ...] | list[float],
+    temporal_patch_size: int,
+    rescale_factor: float,
+) -> torch.Tensor:
+    """The HF PIL backend's arithmetic step by step in torch, on ``x``'s device."""
+    c = len(mean)
+    n, d = x.shape
     # float64 product then one rounding to float32: bit-identical to np_rescale.
     f = (x.to(torch.float64) * rescale_factor).to(torch.float32).view(n, c, d // c)
     m = torch.tensor(mean, dtype=torch.float32, device=f.device).view(1, c, 1)
     s = torch.tensor(std, dtype=torch.float32, device=f.device).view(1, c, 1)
     f = (f - m) / s
-    return f.unsqueeze(2).expand(n, c, temporal_patch_size, d // c).reshape(n, -1)
+    return (
+        f.unsqueeze(2).expand(n, c, temporal_patch_size, d // c).reshape(n, temporal_patch_size * d)
+    )
+
+
+@dataclass(frozen=True)
+class _CpuNorm:
+    """How the CPU path of ``normalize_patches`` computes one (mean, std, factor): a float32
+    formula ``x / divisor - mean`` (then ``/ std`` unless folded in), constants [1, C, 1, 1],
+    or, where no formula gave the reference's bits, the 256 reference values per channel."""
+
+    divisor: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray | None
+    """None: folded into ``divisor`` and ``mean``."""
+    lut: np.ndarray | None = None
+    """float32 [C, 256]: the reference values, used instead of the formula when set."""
+
+    def apply(self, src: np.ndarray, out: np.ndarray) -> None:
+        """uint8 [n, C, 1, k] -> float32 ``out`` of the same shape (formula only)."""
+        np.divide(src, self.divisor, out=out, dtype=np.float32)
+        np.subtract(out, self.mean, out=out)
+        if self.std is not None:
+            np.divide(out, self.std, out=out)
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_norm(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> _CpuNorm:
+    """The first float32 formula that gives the reference's bits for every uint8 value of every
+    channel -- the output depends on nothing else, so that proves it for all inputs -- else the
+    reference values. Candidates: ``x / (255 * std) - mean / std`` (two operations; exact when
+    every std is a power of two, as Qwen's 0.5: scaling by 2^k commutes with rounding), then
+    ``(x / 255 - mean) / std`` (``float32(x) / 255`` equals ``float32(float64(x) / 255)`` for
+    all 256 values)."""
+    c = len(mean)
+    values = torch.arange(256, dtype=torch.uint8).repeat(c).view(1, c * 256)
+    ref = _normalize_reference(values, mean, std, 1, rescale_factor).numpy().reshape(c, 256)
+    inv = 1.0 / rescale_factor
+    div = float(round(inv)) if abs(inv - round(inv)) < 1e-6 else inv
+    m, sd = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+
+    def col(v) -> np.ndarray:
+        return np.asarray(v, np.float32).reshape(1, c, 1, 1)
+
+    three = _CpuNorm(col([div] * c), col(m), col(sd))
+    for cand in (_CpuNorm(col(div * sd), col(m / sd), None), three):
+        got = np.empty((1, c, 1, 256), np.float32)
+        cand.apply(values.numpy().reshape(1, c, 1, 256), got)
+        if np.array_equal(got.reshape(c, 256).view(np.int32), ref.view(np.int32)):
+            return cand
+    return _CpuNorm(three.divisor, three.mean, three.std, lut=np.ascontiguousarray(ref))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
@@ -137,10 +235,15 @@ class ImageParams:
 def image_to_patches(img: Image.Image, p: ImageParams) -> tuple[np.ndarray, tuple[int, int, int]]:
     """PIL image -> (uint8 [gh*gw, 3*ps*ps] in the processor's row order, grid (1, gh, gw)).
 
-    Grey ("L") images are resized as one band and the band is broadcast to R, G, B during the
+    Grey ("L") images are resized as one band and the band is copied to R, G, B during the
     patch copy: HF converts L -> RGB (pure replication) before its bicubic resize, and Pillow
     resamples every band with the same integer kernel, so the bytes are identical (tested) at a
     third of the resize cost.
+
+    The copy runs band by band (Pillow's ``split`` makes the planar bands in C) and moves whole
+    patch rows: a row of ``ps`` pixels of one band is ``ps`` contiguous bytes in the source and
+    in the output, so viewing both as one ``ps``-byte item turns a gather of single bytes into a
+    copy of ``ps``-byte items (about 4-8x fewer, longer numpy inner loops).
     """
     grey = img.mode == "L" and img.info.get("transparency") is None
     src = img if grey else to_rgb(img)
@@ -150,14 +253,29 @@ def image_to_patches(img: Image.Image, p: ImageParams) -> tuple[np.ndarray, tupl
         src = src.resize((rw, rh), resample=p.resample)
     ps, m = p.patch_size, p.merge_size
     gh, gw = rh // ps, rw // ps
+    row = np.dtype((np.void, ps))  # one patch row of one band
+    out = np.empty((gh // m, gw // m, m, m, 3, ps, ps), np.uint8)
+    dst = out.view(row)[..., 0]  # (gh/m, gw/m, m_h, m_w, C, ps_h) rows
+    for c, band in enumerate([src] if grey else src.split()):
+        a = _band_array(band).view(row).reshape(gh // m, m, ps, gw // m, m)
+        # (gh/m, m_h, ps_h, gw/m, m_w) -> (gh/m, gw/m, m_h, m_w, ps_h): the HF row order.
+        dst[:, :, :, :, c] = a.transpose(0, 3, 1, 4, 2)
     if grey:
-        a = np.asarray(src).reshape(gh // m, m, ps, gw // m, m, ps, 1)
-        a = np.broadcast_to(a, (*a.shape[:6], 3))
-    else:
-        a = np.asarray(src).reshape(gh // m, m, ps, gw // m, m, ps, 3)  # (H, W, C) uint8
-    # (gh/m, m, ps, gw/m, m, ps, C) -> (gh/m, gw/m, m_h, m_w, C, ps_h, ps_w): the HF row order.
-    a = a.transpose(0, 3, 1, 4, 6, 2, 5)
-    return np.ascontiguousarray(a).reshape(gh * gw, 3 * ps * ps), (1, gh, gw)
+        dst[:, :, :, :, 1] = dst[:, :, :, :, 0]
+        dst[:, :, :, :, 2] = dst[:, :, :, :, 0]
+    return out.reshape(gh * gw, 3 * ps * ps), (1, gh, gw)
+
+
+def _band_array(band: Image.Image) -> np.ndarray:
+    """A one-band uint8 image's pixels [H, W], without a copy where Pillow can export them
+    (Arrow C data interface; a large image split over several memory blocks cannot: copied)."""
+    import pyarrow as pa
+
+    try:
+        buf = pa.array(band).buffers()[-1]
+    except ValueError:  # "Image rows are not contiguous in memory"
+        return np.asarray(band)
+    return np.frombuffer(buf, np.uint8, band.width * band.height).reshape(band.height, band.width)
 
 
 _PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -128,7 +129,8 @@ def _encode(pl: _Pipeline, messages: list[dict[str, Any]]) -> _Encoded:
     chat = pl.chat.render(messages)
     enc = pl.backend.encode(chat.text, add_special_tokens=False)
     ids = np.asarray(enc.ids, dtype=np.int64)
-    off = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    # fromiter over the flat pairs: half the cost of np.asarray on a list of tuples
+    off = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * len(ids)).reshape(-1, 2)
     target = np.zeros(len(ids), dtype=bool)
     if chat.spans and len(ids):
         s = np.asarray(chat.spans, dtype=np.int64)
@@ -255,9 +257,7 @@ def process_chat(
     out = VLSample(
         input_ids=torch.from_numpy(ids),
         labels=torch.from_numpy(labels),
-        pixel_u8=torch.from_numpy(
-            np.concatenate(patches) if patches else np.zeros((0, patch_dim), np.uint8)
-        ),
+        pixel_u8=torch.from_numpy(_concat(patches, patch_dim)),
         image_grid_thw=torch.from_numpy(grid),
         position_ids=torch.from_numpy(pos),
         extra={"turns_dropped": dropped} if dropped else {},
@@ -305,6 +305,13 @@ def _expand(
     pieces.append(ids[prev:])
     flags.append(target[prev:])
     return np.concatenate(pieces), np.concatenate(flags)
+
+
+def _concat(patches: list[np.ndarray], patch_dim: int) -> np.ndarray:
+    """The images' patch rows in one array (one image's array as it is: no copy)."""
+    if len(patches) == 1:
+        return patches[0]
+    return np.concatenate(patches) if patches else np.zeros((0, patch_dim), np.uint8)
 
 
 def process_sample(
