@@ -225,7 +225,7 @@ def _clip_inputs(path: Path, o: Any) -> _Clip:
     data = path.read_bytes()
     fps, total = V._probe(data, path.name)
     idx = V.sample_indices(total, fps, o)
-    frames = V._decode_sampled(data, path.name, idx, total)
+    frames, _ = V._decode_sampled(data, path.name, idx, total)
     size = V.target_size(len(frames), frames.shape[1], frames.shape[2], o)
     return _Clip(data, path.name, idx, total, frames, size, V.resize_frames(frames, *size))
 

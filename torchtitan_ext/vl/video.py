@@ -33,7 +33,8 @@ Bad input raises :class:`~torchtitan_ext.vl.errors.SampleError` naming the sourc
 ``missing_video``, ``corrupt_video``, ``truncated_video``, ``no_video_stream``, ``empty_video``,
 ``too_few_frames``
 (HF refuses fewer than ``temporal_patch_size`` sampled frames), ``bad_frames``,
-``bad_aspect_ratio`` or ``decode_error``.
+``bad_aspect_ratio``, ``variable_frame_rate`` (a sampled frame more than half a sampling interval
+from the time the prompt gives it: :func:`check_frame_times`) or ``decode_error``.
 """
 
 from __future__ import annotations
@@ -282,8 +283,31 @@ def read_video(
     with _av_step(name):
         fps, total = _probe(data, name)
         indices = sample_indices(total, fps, o)
-        frames = _decode_sampled(data, name, indices, total)
+        frames, times = _decode_sampled(data, name, indices, total)
+    check_frame_times(times, indices, fps, o, name)
     return frames, indices, fps, total
+
+
+def check_frame_times(
+    times: Sequence[float | None], indices: Sequence[int], fps: float, o: VideoOptions, name: str
+) -> None:
+    """Refuse a video whose sampled frames are not where the prompt says they are.
+
+    The prompt (HF's ``_calculate_timestamps``) dates frame ``i`` at ``i / fps``, ``fps`` being the
+    container's average rate: right for a constant frame rate, wrong for a variable one (a
+    recording that pauses or changes rate). ``times`` are the sampled frames' presentation times,
+    in seconds from the first frame (None: the frame has none). A frame more than half a sampling
+    interval (``0.5 / o.fps``: 0.25 s at 2 fps) from its stated time is ``variable_frame_rate``;
+    jitter below that (a phone's) passes, and the sample is then HF's, byte for byte."""
+    tol = 0.5 / o.fps
+    for i, t in zip(indices, times, strict=True):
+        if t is not None and abs(t - int(i) / fps) > tol:
+            raise SampleError(
+                "variable_frame_rate",
+                f"{name}: frame {int(i)} is shown at {t:.2f} s but the prompt would date it "
+                f"{int(i) / fps:.2f} s (frame count / average rate {fps:.3g}): a variable frame "
+                f"rate (tolerance {tol:.2f} s); re-encode at a constant rate",
+            )
 
 
 def _probe(data: bytes, name: str) -> tuple[float, int]:
@@ -304,16 +328,20 @@ def _probe(data: bytes, name: str) -> tuple[float, int]:
     return float(rate), total
 
 
-def _decode_sampled(data: bytes, name: str, indices: np.ndarray, total: int) -> np.ndarray:
+def _decode_sampled(
+    data: bytes, name: str, indices: np.ndarray, total: int
+) -> tuple[np.ndarray, list[float | None]]:
     """Decode frames 0..indices[-1] in order; convert only the sampled ones to RGB (``rgb24``,
-    as HF's ``read_video_pyav``). Decoding stops at a packet the demuxer flags corrupt (a file
-    cut inside a frame): that is ``truncated_video`` when no packet follows, else
-    ``corrupt_video``; a stream that ends before the last sampled frame is ``truncated_video``."""
+    as HF's ``read_video_pyav``), and note their presentation times (seconds from frame 0).
+    Decoding stops at a packet the demuxer flags corrupt (a file cut inside a frame): that is
+    ``truncated_video`` when no packet follows, else ``corrupt_video``; a stream that ends
+    before the last sampled frame is ``truncated_video``."""
     import av
 
     wanted = {int(i): k for k, i in enumerate(indices)}
     kept: list[np.ndarray | None] = [None] * len(indices)
-    last, seen, damaged = int(indices[-1]), 0, None
+    times: list[float | None] = [None] * len(indices)
+    last, seen, damaged, t0 = int(indices[-1]), 0, None, None
     with av.open(io.BytesIO(data), mode="r") as c:
         s = c.streams.video[0]
         packets = c.demux(s)
@@ -323,8 +351,12 @@ def _decode_sampled(data: bytes, name: str, indices: np.ndarray, total: int) -> 
                 damaged = "truncated_video" if rest == 0 else "corrupt_video"
                 break
             for frame in packet.decode():
+                if seen == 0:
+                    t0 = frame.time
                 if seen in wanted:
                     kept[wanted[seen]] = frame.to_ndarray(format="rgb24")
+                    if frame.time is not None and t0 is not None:
+                        times[wanted[seen]] = frame.time - t0
                 seen += 1
             if seen > last:
                 break
@@ -335,7 +367,7 @@ def _decode_sampled(data: bytes, name: str, indices: np.ndarray, total: int) -> 
             + (" (the data ends inside a frame)" if damaged == "truncated_video" else "")
             + (" (a damaged packet)" if damaged == "corrupt_video" else ""),
         )
-    return np.stack(kept)
+    return np.stack(kept), times
 
 
 def _source_bytes(src: Any, root: str | Path | None) -> tuple[bytes, str]:
