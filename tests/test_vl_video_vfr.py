@@ -7,13 +7,12 @@ from __future__ import annotations
 import io
 from fractions import Fraction
 
+import av
 import numpy as np
 import pytest
 
 from torchtitan_ext.vl.errors import SampleError
 from torchtitan_ext.vl.video import VideoOptions, VideoProcessor, check_frame_times
-
-av = pytest.importorskip("av")
 
 
 def _frames(n: int, w: int = 64, h: int = 48) -> np.ndarray:
