@@ -44,6 +44,7 @@ from torchtitan.hf_datasets.multimodal.utils.packing import MMSamplePacker  # no
 
 from torchtitan_ext.vl.collate import PixelNorm, collate_torchtitan  # noqa: E402
 
+from .support.tt_qwen3_5 import eager_flex_attention, small_qwen3_5, trainer_stub  # noqa: E402
 from .support.vl_sample import sample_cache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,37 +271,9 @@ def test_text_only_batch_equals_collator():
 
 # ------------------------------------------------------------------------------- the model side
 @pytest.fixture
-def eager_flex(monkeypatch):
-    """torchtitan compiles flex attention and its block masks (inductor fails on this CPU for
-    the vision mask); the eager forms compute the same function."""
-    import torchtitan.models.qwen3_5.vision_encoder as ve
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
-    from torchtitan.models.common.attention import FlexAttention
-
-    monkeypatch.setattr(ve, "compiled_create_block_mask", create_block_mask)
-    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(flex_attention))
-    backend = get_spmd_backend()
-    set_spmd_backend("partial_dtensor")  # what cpu_compat gives a CPU job; no DP mesh here
-    yield
-    set_spmd_backend(backend)
-
-
-def small_qwen3_5(vocab: int, n_layers: int = 2):
-    """torchtitan's qwen3_5 debugmodel with a small vocabulary and full attention in every layer
-    (its GatedDeltaNet layers need fla + CUDA); vision encoder and MRoPE as in the debugmodel."""
-    cfg = qwen3_5.qwen3_5_configs["debugmodel"]("flex")
-    cfg.vocab_size = cfg.tok_embeddings.num_embeddings = cfg.lm_head.out_features = vocab
-    rope = next(layer.attention for layer in cfg.layers if layer.attention is not None).rope
-    cfg.layers = qwen3_5._build_qwen35_layers(
-        rope=rope, attn_backend="flex", n_layers=n_layers, dim=256, n_heads=4, n_kv_heads=2,
-        head_dim=64, rotary_dim=16, hidden_dim=512, n_key_heads=2, n_value_heads=4,
-        key_head_dim=64, value_head_dim=64, full_attention_interval=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = cfg.build()
-    model.init_states()
-    return cfg, model.eval()
+def eager_flex():
+    with eager_flex_attention():
+        yield
 
 
 def _our_batch(env, pack_ids=(0,)):
@@ -361,15 +334,7 @@ def test_forward_through_trainer_keeps_packed_samples_independent(env, eager_fle
         "image_grid_thw": grid,
         "num_tokens": torch.tensor(n),
     }
-    trainer = types.SimpleNamespace(
-        model_config=cfg,
-        model_parts=[model],
-        parallel_dims=types.SimpleNamespace(cp_enabled=False),
-        config=types.SimpleNamespace(
-            parallelism=types.SimpleNamespace(spmd_backend="partial_dtensor")
-        ),
-        ntokens_seen=0,
-    )
+    trainer = trainer_stub(cfg, model)
     norm = PixelNorm.from_metadata(cache.metadata)
     logits = []
     for packs in ([pack], [alone]):

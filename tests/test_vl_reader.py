@@ -42,7 +42,7 @@ class _Repeat(Stage):
 
 @pytest.mark.parametrize("fmt", ["hf", "torchtitan", "qwen3_vl"])
 def test_stats_count_tokens_pads_and_images_in_every_format(fmt):
-    assert batch_counts(_batches()[fmt], PAD) == (2, 9, 3, 2, 28)
+    assert batch_counts(_batches()[fmt], PAD) == (2, 9, 3, 2, 28, 0, 0)
     c = CountBatches(_Repeat(_batches()[fmt]), PAD)
     c.next()
     after_one = c.state()
@@ -59,4 +59,32 @@ def test_text_only_batch_counts_no_images():
     ids = torch.tensor([[1, 2, PAD]])
     tokens, grid = batch_arrays({"input_ids": ids, "labels": ids})
     assert grid is None and tokens is ids
-    assert batch_counts({"input_ids": ids, "labels": ids}, PAD) == (1, 2, 1, 0, 0)
+    assert batch_counts({"input_ids": ids, "labels": ids}, PAD) == (1, 2, 1, 0, 0, 0, 0)
+
+
+def test_video_counts_are_merged_frames_in_every_format():
+    """Two videos of 2 and 3 merged frames (4 + 2 patches per frame): the ``hf`` / ``qwen3_vl``
+    grids are per video, the ``torchtitan`` ones per merged frame; the counts agree."""
+    ids = torch.tensor([[5, 6, PAD]])
+    whole = torch.tensor([[2, 2, 2], [3, 1, 2]])
+    frames = torch.tensor([[1, 2, 2]] * 2 + [[1, 1, 2]] * 3)
+    batches = {
+        "hf": {"input_ids": ids, "labels": ids, "video_grid_thw": whole},
+        "torchtitan": ({"input": ids, "grid_thw": None, "grid_thw_videos": frames}, ids),
+        "qwen3_vl": ({"input": ids, "video_grid_thw": whole}, ids),
+    }
+    for fmt, batch in batches.items():
+        assert batch_counts(batch, PAD) == (1, 2, 1, 0, 0, 5, 14), fmt
+
+
+def test_video_counters_reach_the_line_once_seen():
+    from torchtitan_ext.metrics import data_step
+
+    stats = {"images": 4.0, "video_frames": 0.0, "video_patches": 0.0}
+    metrics, line = data_step(stats, [0.001], {}, 1)
+    assert (
+        line == "data_wait: 1.00ms  images/step: 4" and metrics["data/video_frames_per_step"] == 0
+    )
+    stats |= {"video_frames": 6.0, "video_patches": 24.0}
+    _, line = data_step(stats, [0.001, 0.001], {"images": 2.0}, 1)
+    assert line == "data_wait: 1.00ms  images/step: 1  frames/step: 3  video_patches/step: 12"

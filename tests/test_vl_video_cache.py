@@ -460,9 +460,21 @@ def test_the_loader_yields_video_batches(env, fmt):
     assert torch.equal(done["pixel_values_videos"], h["pixel_values_videos"])
 
 
-def test_the_torchtitan_format_refuses_video_in_one_line(env):
-    with pytest.raises(ValueError, match="batch_format 'torchtitan' carries images only"):
-        next(iter(loader(env, batch_format="torchtitan", shuffle=False)))
+def test_the_loader_yields_torchtitan_video_batches(env):
+    """The ``torchtitan`` format from the cache: each video one item per merged frame
+    (``tests/test_vl_video_torchtitan.py`` checks the layout against torchtitan's own code), the
+    same floats whether normalised here or on the device."""
+    here = next(iter(loader(env, batch_format="torchtitan", shuffle=False)))
+    dl = loader(env, batch_format="torchtitan", shuffle=False, normalize_on="device")
+    dev = next(iter(dl))
+    frames = here[0]["grid_thw_videos"]
+    assert frames is not None and len(frames) and frames[:, 0].eq(1).all()
+    assert dev[0]["pixel_values_videos"].dtype == torch.uint8
+    done = dl.finish_on_device(dev)[0]
+    for key in ("pixel_values_videos", "grid_thw_videos", "mrope_positions"):
+        assert torch.equal(done[key], here[0][key]), key
+    vid = here[0]["input"] == here[0]["special_tokens"]["video_id"]
+    assert int(vid.sum()) == int((frames.prod(-1) // 4).sum())
 
 
 def test_video_batches_resume_exactly(env):

@@ -89,7 +89,7 @@ def special(proc):
 @pytest.fixture(scope="module")
 def parts(proc):
     """Samples: video (small_10fps), image, video (budget_24fps), and the processor outputs."""
-    from tests.test_vl_video_model import image_sample, video_sample
+    from tests.support.video_packs import image_sample, video_sample
 
     gradient = Image.fromarray(np.tile(np.arange(96, dtype=np.uint8), (64, 1))).convert("RGB")
     names = ["small_10fps.mp4", "budget_24fps.mp4"]
@@ -104,7 +104,7 @@ def parts(proc):
 @pytest.fixture(scope="module")
 def mixed_pack(parts, special):
     """One pack: video, image, video, then 40 pad tokens."""
-    from tests.test_vl_video_model import pack_of
+    from tests.support.video_packs import pack_of
 
     p = pack_of(parts[0], special)
     pad = torch.full((40,), special["pad_id"], dtype=torch.int64)
@@ -188,7 +188,7 @@ def test_peek_render_draws_the_videos_of_cache_packs(mixed_pack, parts, special,
 
 
 def test_a_video_only_pack_has_no_empty_thumbnail_row(parts, special, tmp_path):
-    from tests.test_vl_video_model import pack_of
+    from tests.support.video_packs import pack_of
     from torchtitan_ext.vl.render import render_pack
 
     pack = pack_of(parts[0][:1], special)
@@ -224,7 +224,7 @@ def test_peek_show_marks_video_tokens_apart_from_image_tokens(mixed_pack, specia
 
 
 def test_a_pack_with_zero_videos_renders_as_one_without_video_keys(parts, special, tmp_path):
-    from tests.test_vl_video_model import pack_of
+    from tests.support.video_packs import pack_of
     from torchtitan_ext.vl.render import render_pack
 
     plain = pack_of(parts[0][1:2], special)

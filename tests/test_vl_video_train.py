@@ -5,6 +5,7 @@ merged frame, an image and a video together, two videos, text-only rows) and the
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,4 +31,5 @@ def test_video_config_trains_and_the_loss_falls(tmp_path):
     assert "row layout messages (as asked) from columns messages='messages'" in text
     assert "video='videos'" in text
     assert list((tmp_path / "cache").glob("*/shards/00000/video_pixels.memmap"))
-    assert any("images/step:" in ln for ln in text.splitlines() if "step: 20" in ln)
+    last = next(ln for ln in text.splitlines() if "step: 20" in ln)
+    assert "images/step:" in last and re.search(r"frames/step: [1-9]", last), last

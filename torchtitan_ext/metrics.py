@@ -15,7 +15,10 @@ line                        backends                             source
                                                                  the previous line, mean, in ms
 ``images/step: N``          ``data/images_per_step``             cumulative ``images`` /
 ``patches/step: N``         ``data/patches_per_step``            ``patches`` stats: increase
-                                                                 since the previous line / steps
+``frames/step: N``          ``data/video_frames_per_step``       since the previous line / steps
+``video_patches/step: N``   ``data/video_patches_per_step``      (the two video ones on the line
+                                                                 once a video was seen; a frame
+                                                                 is a merged frame)
 ``queue: D/C``              ``data/queue_depth``,                ``queue_depth`` (over
                             ``data/queue_capacity``              ``queue_capacity`` if known)
 ``crop%: N``                ``data/crop_pct``                    ``crop_pct``
@@ -72,7 +75,14 @@ LINE_KEYS = (
 )
 # Cumulative counters shown as a mean per step since the previous line (VL: images and vision
 # patches the loader handed to the trainer).
-PER_STEP_KEYS = (("images", "images"), ("patches", "patches"))
+PER_STEP_KEYS = (
+    ("images", "images"),
+    ("patches", "patches"),
+    ("video_frames", "frames"),
+    ("video_patches", "video_patches"),
+)
+# Of those, the ones on the line only once the run has seen one (an image-only job shows none).
+SHOWN_ONCE_SEEN = ("video_frames", "video_patches")
 # Per source of a mixture: backend name -> the source's counters that give it, first found.
 SOURCE_KEYS = (
     ("tokens", ("tokens", "tokens_read")),
@@ -131,7 +141,8 @@ def data_step(
         if key in stats:
             per_step = (stats[key] - last.get(key, 0.0)) / steps
             metrics[f"{PREFIX}{key}_per_step"] = per_step
-            parts.append(f"{label}/step: {per_step:g}")
+            if key not in SHOWN_ONCE_SEEN or stats[key] > 0:
+                parts.append(f"{label}/step: {per_step:g}")
     cap = stats.get("queue_capacity")
     for key, label in LINE_KEYS:
         if key in stats:

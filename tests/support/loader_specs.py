@@ -484,7 +484,7 @@ def streaming_mix(variant: Variant, root: Path) -> LoaderSpec:
 def cached_vl_video(variant: Variant, root: Path) -> LoaderSpec:
     """``cached_vl`` over a sample store of the generated video sample (``vl/sample_video.py``:
     videos, an image and a video together, two videos, text-only rows), in the ``qwen3_vl``
-    batch format (the ``torchtitan`` one carries no video). Packs hold ``video_u8``."""
+    batch format. Packs hold ``video_u8``."""
     from torchtitan_ext.loaders.vl import CachedVLDataLoader
     from torchtitan_ext.vl.build import build_cache
     from torchtitan_ext.vl.plan import PlannedStore, PlanOptions

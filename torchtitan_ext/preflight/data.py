@@ -152,12 +152,14 @@ def check_vl_video_options(job: Job) -> None:
     """For ``cached_vl``: the ``video_*`` knobs can work (fps > 0, min <= max, ...): one line
     naming the key, before the cache is looked up or built."""
     from torchtitan_ext.vl.build_config import VIDEO_OPTIONS, BuildConfig, check_video_options
+    from torchtitan_ext.vl.reader import processor_path
 
     for section, loader_cfg in job.loaders():
         if loader_name(loader_cfg) != "cached_vl":
             continue
         knobs = {k: getattr(loader_cfg, k) for k in VIDEO_OPTIONS}
+        proc = processor_path(loader_cfg.model_path, getattr(job.config, "hf_assets_path", None))
         try:
-            check_video_options(BuildConfig(dataset="", **knobs))
+            check_video_options(BuildConfig(dataset="", model_path=proc, **knobs))
         except ValueError as e:
             raise ConfigError(f"{job.file}: [{section}] {e}") from None

@@ -6,15 +6,13 @@ is ``vl/build.py``'s ``cache_key``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from torchtitan_ext.vl.layouts import COLUMN_ROLES, Format
 from torchtitan_ext.vl.sources import DEFAULT_FINGERPRINT, Fingerprint
 from torchtitan_ext.vl.video import VideoOptions
-
-_V = VideoOptions()
 
 DEFAULT_ROWS_PER_SHARD = 1024
 
@@ -69,19 +67,21 @@ class BuildConfig:
     truncate: bool = False
     """A sample longer than ``seq_len`` drops whole trailing turns (and their images) until it
     fits, cut after an assistant turn (the loss mask stays whole); False: it is ``too_long``."""
-    video_fps: float = _V.fps
-    """Video frames sampled per second (``VideoOptions.fps``; transformers 5.23's default)."""
-    video_min_frames: int = _V.min_frames
+    video_fps: float | None = None
+    """Video frames sampled per second. None (each ``video_*`` knob): the processor directory's
+    ``video_preprocessor_config.json`` value, else transformers 5.23's class default
+    (:func:`video_knobs`); the resolved value is what enters the key."""
+    video_min_frames: int | None = None
     """Sample at least this many frames of a video (a shorter video gives all it has)."""
-    video_max_frames: int = _V.max_frames
+    video_max_frames: int | None = None
     """Sample at most this many frames of a video."""
-    video_min_pixels: int = _V.min_pixels
+    video_min_pixels: int | None = None
     """Pixel budget floor of a video's sampled frames together (HF ``size.shortest_edge``)."""
-    video_max_pixels: int = _V.max_pixels
+    video_max_pixels: int | None = None
     """Pixel budget of a video's sampled frames together (HF ``size.longest_edge``)."""
-    video_cap_pixels_per_frame: bool = _V.cap_pixels_per_frame
+    video_cap_pixels_per_frame: bool | None = None
     """qwen-vl-utils' per-frame pixel cap (HF's ``cap_pixels_per_frame``; off in 5.23)."""
-    video_max_tokens: int = _V.max_video_tokens
+    video_max_tokens: int | None = None
     """The per-frame cap's token ceiling (HF's ``max_video_tokens``)."""
     store: bool = False
     """True: build a *sample store* (``vl/plan.py``): every entry one unpadded sample, no
@@ -102,11 +102,45 @@ VIDEO_OPTIONS: dict[str, str] = {
 model's patch, temporal patch and merge sizes come from the processor instead)."""
 
 
+VIDEO_CONFIG_FILE = "video_preprocessor_config.json"
+"""A checkpoint's video processor settings (beside ``preprocessor_config.json``)."""
+
+
+def processor_video_defaults(model_path: str | Path | None) -> VideoOptions:
+    """The video settings HF's processor loads from ``model_path``: its
+    ``video_preprocessor_config.json`` over transformers 5.23's class defaults (no file, or no
+    directory, i.e. the embedded offline processor: the class defaults). Qwen3-VL checkpoints
+    ship one whose pixel budget (``size.longest_edge`` 25165824) is 32x the class default's, so
+    a build that ignored it would not give the checkpoint's own processor's videos.
+    Raises ``ValueError`` naming the file when it is not JSON or asks for sampling we lack."""
+    if model_path is None:
+        return VideoOptions()
+    path = Path(model_path) / VIDEO_CONFIG_FILE
+    if not path.is_file():
+        return VideoOptions()
+    import json
+
+    try:
+        return VideoOptions.from_config(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: {e}") from None
+
+
+def video_knobs(config: BuildConfig) -> dict[str, Any]:
+    """Each ``video_*`` knob's value for a build: the config's own where set, else
+    :func:`processor_video_defaults` of its processor directory (``model_path``)."""
+    unset = [k for k in VIDEO_OPTIONS if getattr(config, k) is None]
+    base = processor_video_defaults(config.model_path) if unset else None
+    return {
+        k: getattr(base, f) if k in unset else getattr(config, k) for k, f in VIDEO_OPTIONS.items()
+    }
+
+
 def video_options(config: BuildConfig, params: Any) -> VideoOptions:
-    """The :class:`VideoOptions` of a build: the config's ``video_*`` knobs with the
-    processor's patch, temporal patch and merge sizes (``params``: its ``ImageParams``)."""
+    """The :class:`VideoOptions` of a build: its ``video_*`` knobs (:func:`video_knobs`) with
+    the processor's patch, temporal patch and merge sizes (``params``: its ``ImageParams``)."""
     return VideoOptions(
-        **{f: getattr(config, k) for k, f in VIDEO_OPTIONS.items()},
+        **{VIDEO_OPTIONS[k]: v for k, v in video_knobs(config).items()},
         patch_size=params.patch_size,
         temporal_patch_size=params.temporal_patch_size,
         merge_size=params.merge_size,
@@ -163,12 +197,16 @@ def config_from(
         raise ValueError(f"buffer_size must be >= 1, got {cfg.buffer_size}")
     if cfg.rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {cfg.rows_per_shard}")
+    for k, v in video_knobs(cfg).items():  # resolved here: the key holds the values used
+        setattr(cfg, k, v)
     check_video_options(cfg)
     return cfg
 
 
 def check_video_options(cfg: BuildConfig) -> None:
-    """One line naming the ``video_*`` knob that cannot work (before anything is built)."""
+    """One line naming the ``video_*`` knob that cannot work (before anything is built); knobs
+    left None are checked at the values they resolve to (:func:`video_knobs`)."""
+    cfg = replace(cfg, **video_knobs(cfg))
     bad = None
     if not cfg.video_fps > 0:
         bad = f"video_fps must be > 0, got {cfg.video_fps}"

@@ -143,7 +143,8 @@ def finish_on_device(batch: Any, norm: PixelNorm = PixelNorm()) -> Any:
     Accepts either format: an HF kwargs dict with uint8 ``pixel_values`` [N, 768] or a torchtitan
     ``(input_dict, labels)`` with uint8 ``pixel_values`` [n_img, max_patches, 768] (pad rows are
     set back to exactly 0 like torchtitan's collator, using ``grid_thw``). A uint8
-    ``pixel_values_videos`` is normalised with the video formula (``vl/video_batch.py``).
+    ``pixel_values_videos`` is normalised with the video formula (``vl/video_batch.py``); in the
+    torchtitan layout its padding rows are zeroed again from ``grid_thw_videos``.
     Tensors already float (or absent) pass through unchanged.
     """
     if isinstance(batch, tuple):
@@ -151,7 +152,10 @@ def finish_on_device(batch: Any, norm: PixelNorm = PixelNorm()) -> Any:
         return finish_on_device(input_dict, norm), labels
     if not isinstance(batch, dict):
         return batch
+    videos = batch.get("pixel_values_videos")
     finish_videos(batch, mean=norm.mean, std=norm.std)
+    if isinstance(videos, torch.Tensor) and videos.dim() == 3 and "grid_thw_videos" in batch:
+        zero_padding(batch["pixel_values_videos"], batch["grid_thw_videos"])  # torchtitan layout
     u8 = batch.get("pixel_values")
     if not isinstance(u8, torch.Tensor) or u8.dtype != torch.uint8:
         return batch

@@ -8,7 +8,7 @@ configs set it) returns for the same samples (tested against the real collator):
     pixel_values float32 [n_img, max_patches, 1536] zero-padded per image (max_patches rounded up
     to a multiple of merge_size**2), grid_thw int64 [n_img, 3], pixel_values_videos None,
     grid_thw_videos None, special_tokens {image_id, video_id, vision_start_id, vision_end_id, pad_id},
-    mrope_positions [B, L, 3] (only when the batch has an image, as there)
+    mrope_positions [B, L, 3] (only when the batch has an image or a video, as there)
     labels [B, L] already shifted (labels[t] is the target of input[t]; torchtitan's loss does not
     shift), -100 where ignored.
 
@@ -22,7 +22,15 @@ configs set it) returns for the same samples (tested against the real collator):
   after the shift the last token of a sample never learns to predict the next sample's first
   token (the collator itself would train it; with chat samples that first token,
   ``<|im_start|>``, is never a target).
-  Images only: a pack holding video is refused with one error naming the format.
+  Video: ``pixel_values_videos`` float32 [n_frames, max_patches, 1536] and ``grid_thw_videos``
+  [n_frames, 3] hold each video as one item per merged frame (grid ``[1, h, w]``), the
+  collator's own ``_build_mrope_positions`` split. torchtitan 0.3.0's model
+  (``get_vision_positions``) needs one unbroken placeholder run per item, and Qwen3-VL's prompt
+  puts a timestamp and vision start/end tokens between a video's merged frames: one item per
+  video would be refused there as a misalignment. Per frame is also what HF's vision tower
+  computes (its attention windows, ``cu_seqlens``, are one merged frame each). The rows are
+  normalised with the video formula (``vl/video_batch.py``), HF's ``pixel_values_videos`` bit
+  for bit; ``mrope_positions`` is set when the batch has an image or a video.
   Intentional differences: a batch is padded to its longest pack (a bucket) where the collator
   pads every batch to ``seq_len`` (pass ``pad_to=seq_len`` for its shape), and it never has the
   collator's all-padding dummy rows (every rank's batches are full).
@@ -45,7 +53,8 @@ from torchtitan_ext.vl.collate_parts import (
     pad_stack,
     shift_labels,
 )
-from torchtitan_ext.vl.video_batch import has_video
+from torchtitan_ext.vl.video import normalize_video_patches
+from torchtitan_ext.vl.video_batch import BATCH_VIDEOS, VIDEO_GRID, VIDEO_ROWS, has_video
 
 
 def _pad_per_image(pixels: torch.Tensor, grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
@@ -87,11 +96,6 @@ def collate_torchtitan(
     """Packs -> ``(input_dict, labels)`` in torchtitan's MultiModalCollator layout."""
     if not packs:
         raise ValueError("collate_torchtitan needs at least one pack")
-    if has_video(packs):
-        raise ValueError(
-            "batch_format 'torchtitan' carries images only and this pack holds video "
-            "(video_grid_thw); use batch_format 'qwen3_vl' or 'hf'"
-        )
     tt_tokens = torchtitan_special_tokens(special_tokens)
     length = batch_length(packs, pad_to)
     tokens = pad_stack([p["input_ids"] for p in packs], length, tt_tokens["pad_id"])
@@ -107,12 +111,16 @@ def collate_torchtitan(
         "grid_thw_videos": None,
         "special_tokens": tt_tokens,
     }
-    if grid.shape[0]:
-        pixels = cat_rows([p["pixel_u8"] for p in packs])
-        input_dict["grid_thw"] = grid
+    videos = has_video(packs)
+    if grid.shape[0] or videos:
         mrope = pos[:, 1:].permute(0, 2, 1).contiguous()  # [B, L, 3]
         _number_padding(mrope, [_real_length(p) for p in packs])
         input_dict["mrope_positions"] = mrope
+    if videos:
+        _add_video_frames(input_dict, packs, norm, normalize_on)
+    if grid.shape[0]:
+        pixels = cat_rows([p["pixel_u8"] for p in packs])
+        input_dict["grid_thw"] = grid
         u8 = _pad_per_image(pixels, grid, norm.merge_size)
         if normalize_on == "collate":
             # pad the uint8 rows first, then normalise once: one float pass instead of two
@@ -125,6 +133,34 @@ def collate_torchtitan(
         else:
             raise ValueError(f"normalize_on must be 'collate' or 'device', got {normalize_on!r}")
     return input_dict, labels
+
+
+def frame_items(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """Videos [n_vid, 3] -> one row ``[1, h, w]`` per merged frame [sum t, 3], in token order
+    (a video's patch rows are frame-major, so each frame's rows are a contiguous slice)."""
+    frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def _add_video_frames(
+    input_dict: dict[str, Any],
+    packs: Sequence[Mapping[str, torch.Tensor]],
+    norm: PixelNorm,
+    normalize_on: NormalizeOn,
+) -> None:
+    """The packs' videos as per-frame items (module docstring), zero-padded per item."""
+    with_video = [p for p in packs if VIDEO_GRID in p and int(p[VIDEO_GRID].shape[0]) > 0]
+    frames = frame_items(cat_rows([p[VIDEO_GRID] for p in with_video]))
+    u8 = _pad_per_image(cat_rows([p[VIDEO_ROWS] for p in with_video]), frames, norm.merge_size)
+    if normalize_on == "collate":
+        n, k, d = u8.shape
+        values = normalize_video_patches(u8.view(n * k, d), norm.mean, norm.std).view(n, k, d)
+        u8 = zero_padding(values, frames)
+    elif normalize_on != "device":  # "device": uint8 until finish_on_device
+        raise ValueError(f"normalize_on must be 'collate' or 'device', got {normalize_on!r}")
+    input_dict[BATCH_VIDEOS] = u8
+    input_dict["grid_thw_videos"] = frames
 
 
 def _real_length(pack: Mapping[str, torch.Tensor]) -> int:

@@ -134,27 +134,29 @@ class SourceOptions:
     """A sample longer than the pack length drops whole trailing turns instead of being
     skipped as too_long (part of the key); ``--truncate``."""
 
-    video_fps: float = BuildConfig.video_fps
-    """Video frames sampled per second (part of the key); ``--video-fps``."""
+    video_fps: float | None = BuildConfig.video_fps
+    """Video frames sampled per second (part of the key); ``--video-fps``. None (each
+    ``video_*`` knob): the processor directory's ``video_preprocessor_config.json`` value, else
+    transformers' default (2.0 fps, 4-768 frames, 131072-786432 pixels, cap off, 768 tokens)."""
 
-    video_min_frames: int = BuildConfig.video_min_frames
+    video_min_frames: int | None = BuildConfig.video_min_frames
     """At least this many frames sampled per video (part of the key); ``--video-min-frames``."""
 
-    video_max_frames: int = BuildConfig.video_max_frames
+    video_max_frames: int | None = BuildConfig.video_max_frames
     """At most this many frames sampled per video (part of the key); ``--video-max-frames``."""
 
-    video_min_pixels: int = BuildConfig.video_min_pixels
+    video_min_pixels: int | None = BuildConfig.video_min_pixels
     """Pixel budget floor of a video's sampled frames together (part of the key);
     ``--video-min-pixels``."""
 
-    video_max_pixels: int = BuildConfig.video_max_pixels
+    video_max_pixels: int | None = BuildConfig.video_max_pixels
     """Pixel budget of a video's sampled frames together (part of the key);
     ``--video-max-pixels``."""
 
-    video_cap_pixels_per_frame: bool = BuildConfig.video_cap_pixels_per_frame
+    video_cap_pixels_per_frame: bool | None = BuildConfig.video_cap_pixels_per_frame
     """qwen-vl-utils' per-frame pixel cap (part of the key); ``--video-cap-pixels-per-frame``."""
 
-    video_max_tokens: int = BuildConfig.video_max_tokens
+    video_max_tokens: int | None = BuildConfig.video_max_tokens
     """Token ceiling per frame of that cap (part of the key); ``--video-max-tokens``."""
 
     def build_options(self) -> dict[str, Any]:

@@ -129,7 +129,8 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
 
 def _video_args(p: argparse.ArgumentParser, d: dict) -> None:
     """The video knobs (``BuildConfig.video_*``, part of the key): one flag each."""
-    from torchtitan_ext.vl.build_config import VIDEO_OPTIONS
+    from torchtitan_ext.vl.build_config import VIDEO_CONFIG_FILE, VIDEO_OPTIONS
+    from torchtitan_ext.vl.video import VideoOptions
 
     what = {
         "video_fps": "frames sampled per second of video",
@@ -140,13 +141,16 @@ def _video_args(p: argparse.ArgumentParser, d: dict) -> None:
         "video_cap_pixels_per_frame": "qwen-vl-utils' per-frame pixel cap",
         "video_max_tokens": "the per-frame cap's token ceiling",
     }
-    for name in VIDEO_OPTIONS:
+    base = VideoOptions()
+    for name, field in VIDEO_OPTIONS.items():
         flag = "--" + name.replace("_", "-")
-        text = f"{what[name]} (default {d[name]}; part of the key)"
-        if isinstance(d[name], bool):
+        fallback = getattr(base, field)
+        text = (f"{what[name]} (default: the processor's {VIDEO_CONFIG_FILE}, else "
+                f"{fallback}; part of the key)")  # fmt: skip
+        if isinstance(fallback, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=d[name], help=text)
         else:
-            p.add_argument(flag, type=type(d[name]), default=d[name], help=text)
+            p.add_argument(flag, type=type(fallback), default=d[name], help=text)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:

@@ -42,8 +42,13 @@ from torchtitan_ext.vl.options import WorkerOptions
 SOURCE_CACHE, SOURCE_ONLINE = 0, 1
 """``state["source"]``: which source wrote a position (their orders differ)."""
 
-COUNTS = ("batches", "packs", "tokens", "pad_tokens", "images", "patches")
-""":class:`CountBatches`' counters, in the order of ``state["counts"]``."""
+COUNTS = (
+    "batches", "packs", "tokens", "pad_tokens", "images", "patches", "video_frames",
+    "video_patches",
+)  # fmt: skip
+""":class:`CountBatches`' counters, in the order of ``state["counts"]``. ``video_frames`` counts
+merged frames (a temporal patch: two sampled frames), the unit every batch format shares (the
+``torchtitan`` one carries each merged frame as its own item)."""
 
 
 def batch_arrays(batch: Any) -> tuple[Any, Any]:
@@ -54,14 +59,26 @@ def batch_arrays(batch: Any) -> tuple[Any, Any]:
     return batch["input_ids"], batch.get("image_grid_thw")
 
 
-def batch_counts(batch: Any, pad_id: int) -> tuple[int, int, int, int, int]:
-    """(packs, real tokens, pad tokens, images, vision patches) of one batch."""
+def video_grid_of(batch: Any) -> Any:
+    """The video grids [n, 3] of a batch in any batch format, or None (no video)."""
+    inp = batch[0] if isinstance(batch, tuple) else batch
+    grid = inp.get("video_grid_thw")
+    return inp.get("grid_thw_videos") if grid is None else grid
+
+
+def batch_counts(batch: Any, pad_id: int) -> tuple[int, ...]:
+    """(packs, real tokens, pad tokens, images, image patches, merged video frames, video
+    patches) of one batch: :data:`COUNTS` after ``batches``."""
     tokens, grid = batch_arrays(batch)
     pad = int((tokens == pad_id).sum())
-    images = patches = 0
+    images = patches = frames = video_patches = 0
     if grid is not None:
         images, patches = int(grid.shape[0]), int(grid.prod(dim=-1).sum())
-    return int(tokens.shape[0]), int(tokens.numel()) - pad, pad, images, patches
+    vgrid = video_grid_of(batch)
+    if vgrid is not None:
+        frames, video_patches = int(vgrid[:, 0].sum()), int(vgrid.prod(dim=-1).sum())
+    return (int(tokens.shape[0]), int(tokens.numel()) - pad, pad, images, patches, frames,
+            video_patches)  # fmt: skip
 
 
 def _pin(batch: Any) -> Any:

@@ -64,7 +64,10 @@ def add_videos(
 
 
 def finish_videos(batch: dict[str, Any], *, mean: Sequence[float], std: Sequence[float]) -> None:
-    """Normalise a uint8 ``pixel_values_videos`` in place (on its device); float passes."""
+    """Normalise a uint8 ``pixel_values_videos`` in place (on its device); float passes. Rows
+    are the last dim: [N, 1536] (``hf`` / ``qwen3_vl``) or [n_frames, max_patches, 1536]
+    (``torchtitan``; its padding rows are the caller's to zero again)."""
     u8 = batch.get(BATCH_VIDEOS)
     if isinstance(u8, torch.Tensor) and u8.dtype == torch.uint8:
-        batch[BATCH_VIDEOS] = normalize_video_patches(u8, mean, std)
+        flat = u8.reshape(-1, u8.shape[-1])
+        batch[BATCH_VIDEOS] = normalize_video_patches(flat, mean, std).view(u8.shape)
