@@ -136,13 +136,6 @@ def test_video_count_mismatches_are_named():
 FIXTURES = Path(__file__).parent / "fixtures" / "video"
 
 
-@pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor()
-
-
 def video_sample(proc, name: str, question: str, answer: str) -> dict:
     """A chat sample with one video, built as HF's processor lays it out: the chat template's
     ``<|video_pad|>`` replaced by ``VideoPatches.placeholder()`` (tests/test_vl_video.py checks
@@ -231,13 +224,6 @@ def samples(proc):
         image_sample(proc, None, "Say hi.", "Hi."),
         video_sample(proc, "budget_24fps.mp4", "And here?", "A gradient."),
     ]
-
-
-@pytest.fixture(scope="module")
-def special(proc):
-    from torchtitan_ext.vl.processor import special_token_ids
-
-    return special_token_ids(proc)
 
 
 def test_video_sample_positions_equal_get_rope_index(samples, special):
