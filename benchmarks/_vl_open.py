@@ -2,8 +2,8 @@
 
 Caches of 100 / 1k / 10k packs: 8192-token packs of ~24 samples (~340 tokens each) at the
 default 1,024 rows per shard, so ~43 packs per shard and ~230 shards at 10k packs, written by
-the builder's own writers (``vl.write.write_shard`` / ``write_manifest``: the exact on-disk
-layout of a real build, digest included) from synthetic rows whose images are tiny (opening
+the builder's own writers (``vl.write.write_shard`` / ``vl.manifest.write_manifest``: the exact
+on-disk layout of a real build, digest included) from synthetic rows whose images are tiny (opening
 reads no pixel byte, so only the pixel files' sizes differ from a real cache). Timed,
 interleaved (``benchmarks.common.interleave``): ``VLCache.open`` (digest check, every file's
 size, every shard's ``meta.json``, lazy shards), the previous open path (``metadata.json`` + one
@@ -60,6 +60,7 @@ def _synth_caches(work: Path, sizes: list[int]) -> dict[int, Path]:
     import numpy as np
 
     from torchtitan_ext.vl.build import DEFAULT_ROWS_PER_SHARD, BuildConfig, _versions
+    from torchtitan_ext.vl.manifest import write_manifest
     from torchtitan_ext.vl.packing import normalize_buckets
     from torchtitan_ext.vl.processor import (
         ImageParams,
@@ -67,7 +68,7 @@ def _synth_caches(work: Path, sizes: list[int]) -> dict[int, Path]:
         processor_fingerprint,
         special_token_ids,
     )
-    from torchtitan_ext.vl.write import write_manifest, write_shard
+    from torchtitan_ext.vl.write import write_shard
 
     proc = load_processor(None)
     rps = DEFAULT_ROWS_PER_SHARD

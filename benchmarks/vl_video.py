@@ -221,11 +221,12 @@ class _Clip:
 
 def _clip_inputs(path: Path, o: Any) -> _Clip:
     from torchtitan_ext.vl import video as V
+    from torchtitan_ext.vl import video_decode as D
 
     data = path.read_bytes()
-    fps, total = V._probe(data, path.name)
+    fps, total = D._probe(data, path.name)
     idx = V.sample_indices(total, fps, o)
-    frames, _ = V._decode_sampled(data, path.name, idx, total)
+    frames, _ = D._decode_sampled(data, path.name, idx, total)
     size = V.target_size(len(frames), frames.shape[1], frames.shape[2], o)
     return _Clip(data, path.name, idx, total, frames, size, V.resize_frames(frames, *size))
 
@@ -233,13 +234,14 @@ def _clip_inputs(path: Path, o: Any) -> _Clip:
 def _profile_rows(label: str, paths: list[Path], args: BenchArgs) -> list[Row]:
     """Each step of VideoProcessor over the clips, timed alone on its input (CPU time)."""
     from torchtitan_ext.vl import video as V
+    from torchtitan_ext.vl import video_decode as D
 
     o = V.VideoOptions()
     clips = [_clip_inputs(p, o) for p in paths]
     steps = {
-        "probe (open, frame count)": lambda: [V._probe(c.data, c.name) for c in clips],
+        "probe (open, frame count)": lambda: [D._probe(c.data, c.name) for c in clips],
         "decode (sampled frames, rgb24)": lambda: [
-            V._decode_sampled(c.data, c.name, c.indices, c.total) for c in clips
+            D._decode_sampled(c.data, c.name, c.indices, c.total) for c in clips
         ],
         "resize (torch bicubic antialias, uint8)": lambda: [
             V.resize_frames(c.frames, *c.size) for c in clips

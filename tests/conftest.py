@@ -9,6 +9,9 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEST_DATA = REPO / "tests" / "data"
 
+# Fixtures several test modules share, defined once in tests/support (``proc``, ``special``).
+pytest_plugins = ["tests.support.vl_processor"]
+
 # Tests never touch the network: everything they need is in the repo or built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import REPO
 from tests.support import mix_toy
 from tests.support.mix_toy import mix_config, sources_toml
+from tests.support.trainer_probes import LogRecords, MetricBackend
 from torchtitan_ext.config import ConfigError, load_config
 from torchtitan_ext.loaders.integration import LoaderStats, loader_stats, read_stats
 from torchtitan_ext.metrics import data_step
@@ -231,26 +232,6 @@ def test_mixture_loss_weighs_sources_by_their_weights():
     assert mixture_loss({"a": 2.0, "b": 4.0}, specs) == pytest.approx(2.6)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-class _Backend:
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, dict[str, Any]]] = []
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.sent.append((step, dict(metrics)))
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory, data) -> dict[str, Any]:
     """A trainer (llama3 debug model) whose [validator.dataloader] is the web/code mixture: one
@@ -268,13 +249,13 @@ def validated(tmp_path_factory, data) -> dict[str, Any]:
     saved_env = dict(os.environ)
     for var in DIST_ENV:
         os.environ.pop(var, None)
-    root, records, trainer = logging.getLogger(), _Records(), None
+    root, records, trainer = logging.getLogger(), LogRecords(), None
     level = root.level
     seen: dict[str, Any] = {}
     try:
         trainer = build_trainer(str(f), ["--dump_folder", str(tmp / "dump"), "--debug.seed", "0"])
         seen["type"] = type(trainer.validator)
-        backend = _Backend()
+        backend = MetricBackend()
         trainer.metrics_processor.logger = backend
         root.setLevel(logging.INFO)
         root.addHandler(records)

@@ -21,32 +21,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
+from tests.support.trainer_probes import LogRecords, MetricBackend
 
 TOY = REPO / "tests" / "data" / "configs" / "toy_debug.toml"
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STEPS = 2
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-class _Backend:
-    """A metric backend (TensorBoard / W&B stand-in) that keeps what it is sent."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, dict[str, Any]]] = []
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.sent.append((step, dict(metrics)))
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +56,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     saved_env, level = dict(os.environ), root.level
     for var in DIST_ENV:  # a fresh single-process rendezvous
         os.environ.pop(var, None)
-    records = _Records()
+    records = LogRecords()
     trainer = None
     mp = pytest.MonkeyPatch()
     try:
@@ -100,7 +79,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
         seen["checkpointed_loader_is_the_trainers"] = (
             trainer.checkpointer.states["dataloader"] is trainer.dataloader
         )
-        backend = _Backend()
+        backend = MetricBackend()
         trainer.metrics_processor.logger = backend  # the backends it built: none are enabled
         root.setLevel(logging.INFO)
         root.addHandler(records)
@@ -124,14 +103,14 @@ def run(tmp_path_factory) -> dict[str, Any]:
     return seen
 
 
-def _log_both_ways(mp: Any, records: _Records) -> dict[str, tuple[set[str], str]]:
+def _log_both_ways(mp: Any, records: LogRecords) -> dict[str, tuple[set[str], str]]:
     """One step logged by torchtitan's ``MetricsProcessor.log`` and by the trainer's: the metric
     names sent and the line printed, each."""
     from torchtitan.components.metrics import MetricsProcessor
 
     out = {}
     for name, log in (("upstream", MetricsProcessor.log), ("ours", type(mp).log)):
-        mp.logger, mp.data_loading_times, mp.ntokens_since_last_log = _Backend(), [0.001], 64
+        mp.logger, mp.data_loading_times, mp.ntokens_since_last_log = MetricBackend(), [0.001], 64
         log(mp, 9, 1.5, 1.75, 0.5, extra_metrics={"n_tokens_seen": 128})
         out[name] = (set(mp.logger.sent[0][1]), records.messages[-1])
     return out

@@ -25,10 +25,11 @@ from torchtitan_ext.vl import cache as C
 from torchtitan_ext.vl import processor as P
 from torchtitan_ext.vl import sources as S
 from torchtitan_ext.vl.packing import best_fit_packs, bucket_length, normalize_buckets
-from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS, make_sample_dataset
+from torchtitan_ext.vl.sample_data import BAD_ROW_REASONS
 
 from .support.opens import needs_inotify, watch_opens
 from .support.vl_chat import pil, positions_reference, vqa_reference
+from .support.vl_sample import bad_rows_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 1024
@@ -37,15 +38,8 @@ SEQ = 1024
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """Private asset cache (offline processor) + a small dataset with all the bad rows."""
-    root = tmp_path_factory.mktemp("vlcache")
-    old = os.environ.get("TORCHTITAN_EXT_CACHE")
-    os.environ["TORCHTITAN_EXT_CACHE"] = str(root / "assets")
-    ds = make_sample_dataset(root / "ds", n=40, bad_rows=True)
-    yield {"root": root, "ds": ds}
-    if old is None:
-        os.environ.pop("TORCHTITAN_EXT_CACHE", None)
-    else:
-        os.environ["TORCHTITAN_EXT_CACHE"] = old
+    with bad_rows_dataset(tmp_path_factory, "vlcache", n=40) as env:
+        yield env
 
 
 def _build(env, cache_dir, **kw):

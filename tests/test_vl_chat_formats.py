@@ -42,13 +42,6 @@ SEQ = 4096
 
 
 @pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor(None)
-
-
-@pytest.fixture(scope="module")
 def rope_model():
     from .support.tiny_qwen3vl import rope_model as make
 

@@ -21,13 +21,6 @@ from .support.vl_chat import assistant_labels, cached_samples, hf_reference, ima
 IMG = {"type": "image"}
 
 
-@pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor(None)
-
-
 # ---------------------------------------------------------------------------------- choosing
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.support.vl_sample import bad_rows_dataset
 from torchtitan_ext.vl import inspect as I
 from torchtitan_ext.vl import preprocess as PP
 from torchtitan_ext.vl.sample_data import make_sample_dataset
@@ -20,15 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vlcli")
-    old = os.environ.get("TORCHTITAN_EXT_CACHE")
-    os.environ["TORCHTITAN_EXT_CACHE"] = str(root / "assets")
-    ds = make_sample_dataset(root / "ds", n=24, bad_rows=True)
-    yield {"root": root, "ds": ds}
-    if old is None:
-        os.environ.pop("TORCHTITAN_EXT_CACHE", None)
-    else:
-        os.environ["TORCHTITAN_EXT_CACHE"] = old
+    """Private asset cache (offline processor) + a small dataset with all the bad rows."""
+    with bad_rows_dataset(tmp_path_factory, "vlcli", n=24) as env:
+        yield env
 
 
 def _cli_args(env) -> list[str]:

@@ -302,12 +302,12 @@ def test_container_without_frame_count_counts_packets(results):
 
 
 def test_an_unforeseen_decoder_failure_is_this_videos_error(monkeypatch):
-    import torchtitan_ext.vl.video as video
+    import torchtitan_ext.vl.video_decode as video_decode
 
     def boom(data, name):
         raise RuntimeError("codec\nexploded")
 
-    monkeypatch.setattr(video, "_probe", boom)
+    monkeypatch.setattr(video_decode, "_probe", boom)
     e = _error(FIXTURES / "small_10fps.mp4")
     assert e.reason == "decode_error" and e.error_type == "RuntimeError"
     assert "small_10fps.mp4: RuntimeError: codec exploded" in e.message

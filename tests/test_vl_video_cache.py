@@ -200,20 +200,6 @@ def env(tmp_path_factory):
     return {"root": root, "data": data, "store": store, "packed": packed}
 
 
-@pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor()
-
-
-@pytest.fixture(scope="module")
-def special(proc):
-    from torchtitan_ext.vl.processor import special_token_ids
-
-    return special_token_ids(proc)
-
-
 def store_samples(path: Path) -> dict[int, dict]:
     """Input row -> its sample (a store's entry j is one unpadded sample)."""
     from torchtitan_ext.vl.cache import VLCache

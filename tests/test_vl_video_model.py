@@ -133,25 +133,9 @@ def test_video_count_mismatches_are_named():
 
 
 # --------------------------------------------------------------------------------- real samples
-
-
-@pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor()
-
-
 @pytest.fixture(scope="module")
 def samples(proc):
     return mixed_samples(proc)
-
-
-@pytest.fixture(scope="module")
-def special(proc):
-    from torchtitan_ext.vl.processor import special_token_ids
-
-    return special_token_ids(proc)
 
 
 def test_video_sample_positions_equal_get_rope_index(samples, special):

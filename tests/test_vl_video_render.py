@@ -73,20 +73,6 @@ def test_rows_that_do_not_fit_the_grid_are_named():
 
 # ============================================================ packs with video
 @pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor()
-
-
-@pytest.fixture(scope="module")
-def special(proc):
-    from torchtitan_ext.vl.processor import special_token_ids
-
-    return special_token_ids(proc)
-
-
-@pytest.fixture(scope="module")
 def parts(proc):
     """Samples: video (small_10fps), image, video (budget_24fps), and the processor outputs."""
     from tests.support.video_packs import image_sample, video_sample

@@ -37,22 +37,8 @@ from .support.video_packs import mixed_samples, pack_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def proc():
-    from torchtitan_ext.vl.processor import load_processor
-
-    return load_processor()
-
-
-@pytest.fixture(scope="module")
 def samples(proc):
     return mixed_samples(proc)  # video (2 frames), image, text only, video (3 frames)
-
-
-@pytest.fixture(scope="module")
-def special(proc):
-    from torchtitan_ext.vl.processor import special_token_ids
-
-    return special_token_ids(proc)
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,19 @@ def sample_cache(
         yield {"root": root, "data": data, "cache_dir": cache_dir, "path": path}
     finally:
         mp.undo()
+
+
+@contextlib.contextmanager
+def bad_rows_dataset(tmp_path_factory: Any, name: str, *, n: int) -> Iterator[dict[str, Any]]:
+    """A sample dataset of ``n`` rows with every kind of bad row (``make_sample_dataset``) under a
+    fresh temporary root, with ``TORCHTITAN_EXT_CACHE`` (offline processor assets) pointed
+    inside it while open. Yields ``{"root", "ds"}``."""
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp(name)
+    mp.setenv("TORCHTITAN_EXT_CACHE", str(root / "assets"))
+    try:
+        from torchtitan_ext.vl.sample_data import make_sample_dataset
+
+        yield {"root": root, "ds": make_sample_dataset(root / "ds", n=n, bad_rows=True)}
+    finally:
+        mp.undo()

@@ -52,6 +52,7 @@ from torchtitan_ext.vl.format import (
 )
 from torchtitan_ext.vl.layouts import column_overrides
 from torchtitan_ext.vl.locks import CacheLockedError, flock, key_lock, lock_path
+from torchtitan_ext.vl.manifest import write_manifest
 from torchtitan_ext.vl.row_work import process_parsed, process_row, worker_init
 from torchtitan_ext.vl.sources import Rows, open_source
 from torchtitan_ext.vl.store_lookup import find_store_by_identity, source_absent
@@ -60,7 +61,6 @@ from torchtitan_ext.vl.write import (
     ProcessedRow,
     Skip,
     publish_shard,
-    write_manifest,
     write_shard,
 )
 

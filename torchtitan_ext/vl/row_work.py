@@ -16,7 +16,7 @@ import torch
 
 from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.vl.build_config import BuildConfig, sample_max_len
-from torchtitan_ext.vl.layouts import ChatSample
+from torchtitan_ext.vl.conversation import ChatSample
 from torchtitan_ext.vl.write import ProcessedRow, Skip
 
 

@@ -42,7 +42,7 @@ from PIL import Image
 
 from torchtitan_ext.constants import IGNORE_INDEX
 from torchtitan_ext.vl.chat import ChatText, renderer
-from torchtitan_ext.vl.layouts import vqa_messages
+from torchtitan_ext.vl.conversation import vqa_messages
 from torchtitan_ext.vl.processor import (
     QWEN_SPECIAL_TOKENS,
     ImageParams,

@@ -39,7 +39,8 @@ from typing import Any, Literal
 import numpy as np
 
 from torchtitan_ext.data.cachedir import sha256_file as _sha256_stream
-from torchtitan_ext.vl.layouts import ChatSample, Layout, VQALayout, choose_layout
+from torchtitan_ext.vl.conversation import ChatSample
+from torchtitan_ext.vl.layouts import Layout, VQALayout, choose_layout
 
 __all__ = [
     "ChatSample", "HubSource", "Layout", "ParquetSource", "RowSource", "Rows", "VQALayout",

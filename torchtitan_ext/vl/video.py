@@ -25,9 +25,9 @@ this function, not ``images.normalize_patches``: HF normalises videos with other
 arithmetic than images (``(x - 127.5) / 127.5`` against ``(x / 255 - 0.5) / 0.5``), which can
 differ in the last bit.
 
-**Frame count.** The container's frame count (``stream.frames``, as HF reads it) when it has one,
-else the count of the stream's packets (no decoding). A file that then decodes fewer frames than
-a sampled index needs is ``truncated_video`` (HF would silently return fewer frames).
+Decoding and frame sampling (:func:`read_video`, :func:`sample_indices`,
+:func:`check_frame_times`, :func:`stack_frames`, the frame count) are ``vl/video_decode.py``'s
+job; those names are importable from here too.
 
 Bad input raises :class:`~torchtitan_ext.vl.errors.SampleError` naming the source, with reason
 ``missing_video``, ``corrupt_video``, ``truncated_video``, ``no_video_stream``, ``empty_video``,
@@ -39,11 +39,8 @@ from the time the prompt gives it: :func:`check_frame_times`) or ``decode_error`
 
 from __future__ import annotations
 
-import io
 import math
-import os
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -52,6 +49,8 @@ import numpy as np
 import torch
 
 from torchtitan_ext.vl.errors import SampleError
+from torchtitan_ext.vl.video_decode import VideoSource, read_video, sample_indices, stack_frames
+from torchtitan_ext.vl.video_decode import check_frame_times as check_frame_times
 
 
 @dataclass(frozen=True)
@@ -101,13 +100,6 @@ class VideoOptions:
 
 
 # ---------------------------------------------------------------- pure functions
-
-
-def sample_indices(total_frames: int, video_fps: float, o: VideoOptions) -> np.ndarray:
-    """Indices of the frames to keep (int64, increasing): ``Qwen3VLVideoProcessor.sample_frames``."""
-    n = int(total_frames / video_fps * o.fps)
-    n = min(max(n, o.min_frames), o.max_frames, total_frames)
-    return np.linspace(0, total_frames - 1, n).round().astype(np.int64)
 
 
 def frame_timestamps(indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2):
@@ -266,167 +258,6 @@ def frames_to_patches(
         total_frames=int(total),
         merge_size=o.merge_size,
     )
-
-
-# ---------------------------------------------------------------- decoding (PyAV)
-
-VideoSource = str | os.PathLike | bytes | bytearray | memoryview | dict
-
-
-def read_video(
-    src: VideoSource, o: VideoOptions, root: str | Path | None = None
-) -> tuple[np.ndarray, np.ndarray, float, int]:
-    """Decode a video file (path, bytes, or ``{"bytes", "path"}`` cell) and keep the sampled
-    frames: (uint8 [n, H, W, 3], indices, video fps, total frames). A relative path is read
-    relative to ``root``. Every failure is a :class:`SampleError` naming the source."""
-    data, name = _source_bytes(src, root)
-    with _av_step(name):
-        fps, total = _probe(data, name)
-        indices = sample_indices(total, fps, o)
-        frames, times = _decode_sampled(data, name, indices, total)
-    check_frame_times(times, indices, fps, o, name)
-    return frames, indices, fps, total
-
-
-def check_frame_times(
-    times: Sequence[float | None], indices: Sequence[int], fps: float, o: VideoOptions, name: str
-) -> None:
-    """Refuse a video whose sampled frames are not where the prompt says they are.
-
-    The prompt (HF's ``_calculate_timestamps``) dates frame ``i`` at ``i / fps``, ``fps`` being the
-    container's average rate: right for a constant frame rate, wrong for a variable one (a
-    recording that pauses or changes rate). ``times`` are the sampled frames' presentation times,
-    in seconds from the first frame (None: the frame has none). A frame more than half a sampling
-    interval (``0.5 / o.fps``: 0.25 s at 2 fps) from its stated time is ``variable_frame_rate``;
-    jitter below that (a phone's) passes, and the sample is then HF's, byte for byte."""
-    tol = 0.5 / o.fps
-    for i, t in zip(indices, times, strict=True):
-        if t is not None and abs(t - int(i) / fps) > tol:
-            raise SampleError(
-                "variable_frame_rate",
-                f"{name}: frame {int(i)} is shown at {t:.2f} s but the prompt would date it "
-                f"{int(i) / fps:.2f} s (frame count / average rate {fps:.3g}): a variable frame "
-                f"rate (tolerance {tol:.2f} s); re-encode at a constant rate",
-            )
-
-
-def _probe(data: bytes, name: str) -> tuple[float, int]:
-    """(frame rate, frame count) of the first video stream: the container's count (HF reads
-    the same) or, when it has none, the stream's packets counted without decoding."""
-    import av
-
-    with av.open(io.BytesIO(data), mode="r") as c:
-        if not c.streams.video:
-            raise SampleError("no_video_stream", f"{name}: no video stream")
-        s = c.streams.video[0]
-        rate = s.average_rate or s.guessed_rate
-        total = int(s.frames) or sum(1 for p in c.demux(s) if p.size)
-    if total == 0:
-        raise SampleError("empty_video", f"{name}: no frames")
-    if not rate:
-        raise SampleError("corrupt_video", f"{name}: no frame rate")
-    return float(rate), total
-
-
-def _decode_sampled(
-    data: bytes, name: str, indices: np.ndarray, total: int
-) -> tuple[np.ndarray, list[float | None]]:
-    """Decode frames 0..indices[-1] in order; convert only the sampled ones to RGB (``rgb24``,
-    as HF's ``read_video_pyav``), and note their presentation times (seconds from frame 0).
-    Decoding stops at a packet the demuxer flags corrupt (a file cut inside a frame): that is
-    ``truncated_video`` when no packet follows, else ``corrupt_video``; a stream that ends
-    before the last sampled frame is ``truncated_video``."""
-    import av
-
-    wanted = {int(i): k for k, i in enumerate(indices)}
-    kept: list[np.ndarray | None] = [None] * len(indices)
-    times: list[float | None] = [None] * len(indices)
-    last, seen, damaged, t0 = int(indices[-1]), 0, None, None
-    with av.open(io.BytesIO(data), mode="r") as c:
-        s = c.streams.video[0]
-        packets = c.demux(s)
-        for packet in packets:
-            if packet.is_corrupt:
-                rest = sum(1 for p in packets if p.size)
-                damaged = "truncated_video" if rest == 0 else "corrupt_video"
-                break
-            for frame in packet.decode():
-                if seen == 0:
-                    t0 = frame.time
-                if seen in wanted:
-                    kept[wanted[seen]] = frame.to_ndarray(format="rgb24")
-                    if frame.time is not None and t0 is not None:
-                        times[wanted[seen]] = frame.time - t0
-                seen += 1
-            if seen > last:
-                break
-    if seen <= last:
-        raise SampleError(
-            damaged or "truncated_video",
-            f"{name}: decoded {seen} of {total} frames, frame {last} needed"
-            + (" (the data ends inside a frame)" if damaged == "truncated_video" else "")
-            + (" (a damaged packet)" if damaged == "corrupt_video" else ""),
-        )
-    return np.stack(kept), times
-
-
-def _source_bytes(src: Any, root: str | Path | None) -> tuple[bytes, str]:
-    """(the file's bytes, a name for messages)."""
-    if isinstance(src, dict):
-        src = src.get("bytes") if src.get("bytes") is not None else src.get("path")
-    if isinstance(src, (str, os.PathLike)) and str(src):
-        p = Path(src)
-        full = p if p.is_absolute() or root is None else Path(root) / p
-        try:
-            return full.read_bytes(), str(full)
-        except OSError as e:
-            raise SampleError("missing_video", f"cannot read {full}: {e.strerror or e}") from None
-    if isinstance(src, (bytes, bytearray, memoryview)) and len(src):
-        return bytes(src), f"<{len(src)} bytes of video>"
-    raise SampleError("missing_video", f"no video bytes or path ({type(src).__name__})")
-
-
-@contextmanager
-def _av_step(name: str):
-    """PyAV's failures become this video's SampleError: ``corrupt_video`` for FFmpeg's errors
-    (invalid or unreadable data), ``decode_error`` with the class for anything else."""
-    import av
-
-    try:
-        yield
-    except SampleError:
-        raise
-    except av.error.FFmpegError as e:  # InvalidDataError, EOFError, ...
-        raise SampleError("corrupt_video", f"{name}: {e.strerror}") from None
-    except Exception as e:  # a codec's unforeseen failure is still this video's, not the build's
-        msg = " ".join(str(e).split())
-        raise SampleError(
-            "decode_error", f"{name}: {type(e).__name__}: {msg}", type(e).__name__
-        ) from None
-
-
-def stack_frames(frames: Sequence[Any]) -> np.ndarray:
-    """A list of frame images (PIL, any mode; or uint8 [H, W, 3] arrays) or a uint8
-    [T, H, W, 3] array -> uint8 [T, H, W, 3]. PIL frames are made RGB as images are."""
-    from PIL import Image
-
-    from torchtitan_ext.vl.images import to_rgb
-
-    if isinstance(frames, np.ndarray) and frames.ndim == 4:
-        arrs = list(frames)
-    else:
-        arrs = [np.asarray(to_rgb(f)) if isinstance(f, Image.Image) else f for f in frames]
-    if not arrs:
-        raise SampleError("empty_video", "frame list: no frames")
-    for k, a in enumerate(arrs):
-        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
-            what = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise SampleError("bad_frames", f"frame list: frame {k} is {what}, not uint8 [H, W, 3]")
-        if a.shape != arrs[0].shape:
-            raise SampleError(
-                "bad_frames", f"frame list: frame {k} is {a.shape}, frame 0 is {arrs[0].shape}"
-            )
-    return np.stack(arrs)
 
 
 # ---------------------------------------------------------------- the thin class
