@@ -6,6 +6,7 @@ is ``vl/build.py``'s ``cache_key``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -208,11 +209,15 @@ def check_video_options(cfg: BuildConfig) -> None:
     left None are checked at the values they resolve to (:func:`video_knobs`)."""
     cfg = replace(cfg, **video_knobs(cfg))
     bad = None
-    if not cfg.video_fps > 0:
-        bad = f"video_fps must be > 0, got {cfg.video_fps}"
+    least = VideoOptions.temporal_patch_size  # Qwen3-VL's; HF refuses fewer sampled frames
+    if not (cfg.video_fps > 0 and math.isfinite(cfg.video_fps)):
+        bad = f"video_fps must be a finite number > 0, got {cfg.video_fps}"
     elif not 1 <= cfg.video_min_frames <= cfg.video_max_frames:
         bad = (f"video_min_frames ({cfg.video_min_frames}) and video_max_frames "
                f"({cfg.video_max_frames}) need 1 <= min <= max")  # fmt: skip
+    elif cfg.video_max_frames < least:
+        bad = (f"video_max_frames ({cfg.video_max_frames}) must be >= {least}: the model takes "
+               f"frames in pairs and every video would be skipped as too_few_frames")  # fmt: skip
     elif not 0 < cfg.video_min_pixels <= cfg.video_max_pixels:
         bad = (f"video_min_pixels ({cfg.video_min_pixels}) and video_max_pixels "
                f"({cfg.video_max_pixels}) need 0 < min <= max")  # fmt: skip

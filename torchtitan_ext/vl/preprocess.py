@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,7 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan_ext.vl.pack_source import resolve_dataset
 
     if a.buckets:
-        a.buckets = [int(x) for x in a.buckets.split(",") if x.strip()]
+        try:
+            a.buckets = [int(x) for x in a.buckets.split(",") if x.strip()]
+        except ValueError:
+            print(f"preprocess-cached: error: --buckets {a.buckets!r}: expected comma-separated "
+                  "token counts, e.g. 512,768", file=sys.stderr)  # fmt: skip
+            return 2
+    bad_dir = _cache_dir_error(a.cache_dir)
+    if bad_dir:
+        print(f"preprocess-cached: error: --cache-dir {a.cache_dir}: {bad_dir}", file=sys.stderr)
+        return 2
     workers = default_num_workers() if a.num_workers is None else a.num_workers
     options = {n: getattr(a, n) for n in OPTION_NAMES if n not in ("seq_len", "buffer_size")
                and hasattr(a, n)}  # fmt: skip
@@ -240,6 +250,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     return 0
+
+
+def _cache_dir_error(cache_dir: str | None) -> str | None:
+    """Why ``--cache-dir`` cannot hold a cache, or None: checked before the data is
+    fingerprinted (nothing is created here; the build makes the missing directories)."""
+    if cache_dir is None:
+        return None
+    path = Path(cache_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def _plan_stats(path, a: argparse.Namespace) -> dict:

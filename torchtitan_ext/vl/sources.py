@@ -158,6 +158,17 @@ class RowSource:
         raise NotImplementedError
 
 
+_HF_STYLE = re.compile(r"(\w+?)-\d+-of-\d+")
+_SPLIT_WORD = re.compile(r"(train|test|validation|valid|val|dev|eval)(?:[-_.][^/]*)?\.parquet$")
+
+
+def _split_named(filename: str) -> str | None:
+    """The split a Parquet file's name states (``train-00000-of-00001.parquet``,
+    ``test.parquet``, ``validation_2.parquet``), or None."""
+    m = _HF_STYLE.match(filename) or _SPLIT_WORD.match(filename)
+    return m.group(1) if m else None
+
+
 def _resolve_files(dataset: str, split: str) -> list[Path]:
     """The Parquet files of ``split`` under a file, directory or glob (see ParquetSource)."""
     p = Path(dataset)
@@ -175,13 +186,14 @@ def _resolve_files(dataset: str, split: str) -> list[Path]:
             if files:
                 return files
         files = sorted(p.glob("**/*.parquet"))
-        # HF-style names ("train-00000-of-00001.parquet") name their split: a split that is
-        # not among them is an error, not "use everything".
-        hf_style = re.compile(r"(\w+?)-\d+-of-\d+")
-        if files and all(hf_style.match(f.name) for f in files):
-            named = sorted({hf_style.match(f.name).group(1) for f in files})  # type: ignore[union-attr]
+        # Names that name their split (HF-style "train-00000-of-00001.parquet", or "train.parquet"
+        # beside "test.parquet"): a split that is not among them is an error, not "use
+        # everything" (which would read the test files into a validation split).
+        named = [_split_named(f.name) for f in files]
+        if files and all(named):
             raise FileNotFoundError(
-                f"--dataset {dataset}: no files for split {split!r} (splits here: {named})"
+                f"--dataset {dataset}: no files for split {split!r} "
+                f"(splits here: {sorted(set(named))})"  # type: ignore[type-var]
             )
         if files:
             return files

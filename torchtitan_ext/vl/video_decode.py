@@ -3,8 +3,10 @@ to keep, as transformers 5.23's ``Qwen3VLVideoProcessor`` does (``vl/video.py`` 
 and normalises them, and has the step table).
 
 **Frame count.** The container's frame count (``stream.frames``, as HF reads it) when it has one,
-else the count of the stream's packets (no decoding). A file that then decodes fewer frames than
-a sampled index needs is ``truncated_video`` (HF would silently return fewer frames).
+else the count of the stream's packets (no decoding); packets that end well before the duration the
+container states are ``truncated_video`` (a cut WebM would otherwise be sampled as a shorter
+video). A file that then decodes fewer frames than a sampled index needs is ``truncated_video``
+(HF would silently return fewer frames).
 
 Every failure is a :class:`~torchtitan_ext.vl.errors.SampleError` naming the source (reasons:
 ``vl/video.py``).
@@ -78,7 +80,8 @@ def check_frame_times(
 
 def _probe(data: bytes, name: str) -> tuple[float, int]:
     """(frame rate, frame count) of the first video stream: the container's count (HF reads
-    the same) or, when it has none, the stream's packets counted without decoding."""
+    the same) or, when it has none, the stream's packets counted without decoding
+    (:func:`_count_packets`, which refuses a cut file)."""
     import av
 
     with av.open(io.BytesIO(data), mode="r") as c:
@@ -86,12 +89,60 @@ def _probe(data: bytes, name: str) -> tuple[float, int]:
             raise SampleError("no_video_stream", f"{name}: no video stream")
         s = c.streams.video[0]
         rate = s.average_rate or s.guessed_rate
-        total = int(s.frames) or sum(1 for p in c.demux(s) if p.size)
+        total = int(s.frames) or _count_packets(c, s, name, float(rate or 0))
     if total == 0:
         raise SampleError("empty_video", f"{name}: no frames")
     if not rate:
         raise SampleError("corrupt_video", f"{name}: no frame rate")
     return float(rate), total
+
+
+def _declared_seconds(container: Any, stream: Any) -> float | None:
+    """How long the container says the video stream lasts, where it says so reliably: the
+    stream's own duration, else its Matroska/WebM ``DURATION`` tag (``HH:MM:SS.nnnnnnnnn``),
+    else the container's duration when the video is its only stream (with audio, the container
+    may rightly outlast the video). None: not stated."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    tag = stream.metadata.get("DURATION") or stream.metadata.get("duration")
+    if tag:
+        try:
+            h, m, sec = str(tag).split(":")
+            return int(h) * 3600 + int(m) * 60 + float(sec)
+        except ValueError:
+            pass
+    if container.duration and len(container.streams) == 1:
+        return container.duration / 1_000_000
+    return None
+
+
+def _count_packets(container: Any, stream: Any, name: str, rate: float) -> int:
+    """The frame count of a container that states none (Matroska, WebM, MPEG-TS): the stream's
+    packets. A file cut short has fewer packets than its frames, and would be sampled as a
+    shorter video with nothing said; so where the container states the stream's duration
+    (:func:`_declared_seconds`), packets that end more than a frame and a half before it are
+    ``truncated_video``."""
+    declared = _declared_seconds(container, stream)
+    n, first, end = 0, None, None
+    for p in container.demux(stream):
+        if not p.size:
+            continue
+        n += 1
+        pts = p.pts if p.pts is not None else p.dts
+        if pts is not None and p.time_base:
+            t0, t1 = float(pts * p.time_base), float((pts + (p.duration or 0)) * p.time_base)
+            first = t0 if first is None else min(first, t0)
+            end = t1 if end is None else max(end, t1)
+    if declared is None or not rate:
+        return n
+    shown = 0.0 if end is None else end - (first or 0.0)
+    if declared - shown > 1.5 / rate:
+        raise SampleError(
+            "truncated_video",
+            f"{name}: its {n} packets end at {shown:.2f} s but the container says the video "
+            f"lasts {declared:.2f} s (the file is cut short)",
+        )
+    return n
 
 
 def _decode_sampled(

@@ -1,0 +1,122 @@
+"""Inputs a new user tries that the first authors did not: a cut WebM, bad ``preprocess-cached``
+flags, ``video_*`` values that can never work, and a Parquet directory whose file names state
+their splits. Each must be one clear line (or a counted skip), never a silent wrong answer."""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from torchtitan_ext.vl import build as B
+from torchtitan_ext.vl import preprocess as PP
+from torchtitan_ext.vl import sources as S
+from torchtitan_ext.vl.build_config import BuildConfig, check_video_options
+from torchtitan_ext.vl.errors import SampleError
+from torchtitan_ext.vl.video import VideoOptions, VideoProcessor
+
+
+def _webm(n: int = 30, fps: int = 10) -> bytes:
+    """A VP9 WebM of ``n`` frames (no frame count in the container; its duration is stated)."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="webm") as c:
+        s = c.add_stream("libvpx-vp9", rate=Fraction(fps))
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for i in range(n):
+            a = np.full((48, 64, 3), (i * 37) % 256, dtype=np.uint8)
+            for p in s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def webm() -> bytes:
+    return _webm()
+
+
+def test_a_whole_webm_is_read_with_every_frame(webm: bytes) -> None:
+    v = VideoProcessor(VideoOptions())(webm)
+    assert v.total_frames == 30 and v.frame_indices[-1] == 29
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_a_cut_webm_is_truncated_video_not_a_shorter_video(webm: bytes, keep: float) -> None:
+    # Matroska states no frame count: the packets are counted, so a cut file used to be
+    # sampled as a shorter clip (0.9 s of a 3 s video) with nothing said
+    with pytest.raises(SampleError) as e:
+        VideoProcessor(VideoOptions())(webm[: int(len(webm) * keep)])
+    assert e.value.reason == "truncated_video"
+    assert "lasts 3.00 s" in str(e.value) and "\n" not in str(e.value)
+
+
+def _main_refuses(argv: list[str], capsys, monkeypatch) -> str:
+    """Run preprocess-cached; it must exit 2 with one line, before the build starts."""
+
+    def no_build(*a, **k):
+        raise AssertionError("the build started")
+
+    monkeypatch.setattr(B, "build_cache", no_build)
+    assert PP.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("preprocess-cached: error: ") and "\n" not in err
+    return err
+
+
+def test_preprocess_cli_refuses_bad_buckets_in_one_line(tmp_path, capsys, monkeypatch) -> None:
+    argv = ["--dataset", "sample", "--cache-dir", str(tmp_path), "--buckets", "512,abc", "-q"]
+    assert "--buckets '512,abc'" in _main_refuses(argv, capsys, monkeypatch)
+
+
+def test_preprocess_cli_refuses_a_cache_dir_under_a_file(tmp_path, capsys, monkeypatch) -> None:
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for cache_dir in (f, f / "sub"):
+        argv = ["--dataset", "sample", "--cache-dir", str(cache_dir), "-q"]
+        err = _main_refuses(argv, capsys, monkeypatch)
+        assert f"{f} is a file, not a directory" in err
+
+
+@pytest.mark.parametrize(
+    ("knobs", "says"),
+    [
+        ({"video_fps": float("inf")}, "video_fps must be a finite number > 0, got inf"),
+        ({"video_min_frames": 1, "video_max_frames": 1}, "video_max_frames (1) must be >= 2"),
+    ],
+)
+def test_video_options_that_skip_every_video_are_refused(knobs: dict, says: str) -> None:
+    with pytest.raises(ValueError) as e:
+        check_video_options(BuildConfig(dataset="", **knobs))
+    assert says in str(e.value)
+
+
+def test_video_options_at_the_edge_still_work() -> None:
+    check_video_options(BuildConfig(dataset="", video_min_frames=1, video_max_frames=2))
+    check_video_options(BuildConfig(dataset="", video_fps=1e6))
+
+
+def _parquet(path) -> None:
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), path)
+
+
+def test_a_split_not_among_plain_split_file_names_is_an_error(tmp_path) -> None:
+    # train.parquet + test.parquet and --split validation used to read BOTH files
+    for name in ("train.parquet", "test.parquet"):
+        _parquet(tmp_path / name)
+    assert [f.name for f in S._resolve_files(str(tmp_path), "test")] == ["test.parquet"]
+    with pytest.raises(FileNotFoundError) as e:
+        S._resolve_files(str(tmp_path), "validation")
+    assert "split 'validation' (splits here: ['test', 'train'])" in str(e.value)
+
+
+def test_files_that_name_no_split_are_all_read(tmp_path) -> None:
+    for name in ("part-a.parquet", "part-b.parquet"):
+        _parquet(tmp_path / name)
+    got = [f.name for f in S._resolve_files(str(tmp_path), "validation")]
+    assert got == ["part-a.parquet", "part-b.parquet"]
