@@ -120,3 +120,76 @@ def test_files_that_name_no_split_are_all_read(tmp_path) -> None:
         _parquet(tmp_path / name)
     got = [f.name for f in S._resolve_files(str(tmp_path), "validation")]
     assert got == ["part-a.parquet", "part-b.parquet"]
+
+
+# ---------------------------------------------------------------- a checkpoint's video settings
+
+_QWEN3_VL_VIDEO_CONFIG = {  # what the published Qwen3-VL checkpoints ship
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The offline processor plus a checkpoint's ``video_preprocessor_config.json``."""
+    import json
+    import shutil
+
+    from torchtitan_ext.vl.offline_processor import offline_processor_dir
+
+    d = tmp_path_factory.mktemp("model") / "qwen3vl"
+    shutil.copytree(offline_processor_dir(), d)
+    (d / "video_preprocessor_config.json").write_text(json.dumps(_QWEN3_VL_VIDEO_CONFIG))
+    return d
+
+
+@pytest.mark.parametrize(("dataset", "warned"), [("sample_video", True), ("sample", False)])
+def test_video_knobs_unlike_the_checkpoints_are_said(model_dir, caplog, dataset, warned) -> None:
+    # the file is not read into the build: a fine-tune with the default knobs used to process
+    # video with 1/32 of the checkpoint's pixel budget, with nothing said
+    from torchtitan_ext.vl.build_config import config_from
+    from torchtitan_ext.vl.pack_source import resolve_dataset
+
+    cfg = config_from(resolve_dataset(dataset), "train", 1024, 16, model_path=str(model_dir))
+    with caplog.at_level("WARNING", logger="torchtitan_ext.vl.build"):
+        B._resolve(cfg)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("video_max_pixels = 786432 (the checkpoint's: 25165824)" in said) is warned
+    assert ("video_min_pixels = 131072 (the checkpoint's: 4096)" in said) is warned
+
+
+def test_video_knobs_equal_to_the_checkpoints_are_not_said(model_dir, caplog) -> None:
+    from torchtitan_ext.vl.build_config import config_from
+    from torchtitan_ext.vl.pack_source import resolve_dataset
+
+    cfg = config_from(resolve_dataset("sample_video"), "train", 1024, 16, model_path=str(model_dir),
+                      video_min_pixels=4096, video_max_pixels=25165824)  # fmt: skip
+    with caplog.at_level("WARNING", logger="torchtitan_ext.vl.build"):
+        B._resolve(cfg)
+    assert not [r for r in caplog.records if "video_preprocessor_config" in r.getMessage()]
+
+
+def test_the_loader_says_what_the_cache_build_skipped(tmp_path, caplog) -> None:
+    # the step log's skipped: counts only this run's skips; a cache that dropped rows at build
+    # time trained with "skipped: 0" and no word of them
+    from torchtitan_ext.vl.cache import VLCache
+    from torchtitan_ext.vl.pack_source import log_build_skips
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "ok.mp4").write_bytes(_webm(8, 8))
+    rows = {"video": ["nope.mp4", None, "ok.mp4"], "question": ["q0", "q1", "q2"],
+            "answer": ["a0", "a1", "a2"]}  # fmt: skip
+    pq.write_table(pa.table(rows), ds / "train.parquet")
+    path = B.build_cache(str(ds), "train", str(tmp_path / "c"), 512, 4, store=True,
+                         num_workers=0, show_progress=False)  # fmt: skip
+    with caplog.at_level("INFO", logger="torchtitan_ext.vl.pack_source"):
+        log_build_skips(VLCache.open(path))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "was built from 3 rows; 2 were skipped then {'missing_video': 2}" in said

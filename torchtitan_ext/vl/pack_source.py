@@ -223,9 +223,28 @@ def open_cache_or_plan(path: Path, req: SourceOptions, seq_len: int) -> Any:
     from torchtitan_ext.vl.plan import PlannedStore, PlanOptions, plan_packs
 
     cache = VLCache.open(resolve_cache_dir(path))
+    log_build_skips(cache)
     if not cache.is_store:
         return path
     lengths = [cache.shard_sample_lengths(s) for s in range(cache.num_shards)]
     plan = plan_packs(lengths, PlanOptions.make(seq_len, req.buffer_size, req.buckets))
     logger.info("VL plan over %s: %s", cache.path, plan.stats())
     return PlannedStore(cache, plan)
+
+
+def log_build_skips(cache: Any) -> None:
+    """Say once which rows the cache's build skipped, by reason: the step log's ``skipped``
+    counts this run's skips (the online fallback's), so a cache's own would go unseen."""
+    from torchtitan_ext.vl.inspect import packing_stats
+
+    st = packing_stats(cache)
+    skipped = {k: v for k, v in st.get("skipped", {}).items() if v}
+    if skipped:
+        logger.info(
+            "VL cache %s was built from %d rows; %d were skipped then %s (not in the step "
+            "log's skipped: count; inspect-cache shows them)",
+            cache.path,
+            st["rows_read"],
+            sum(skipped.values()),
+            skipped,
+        )
