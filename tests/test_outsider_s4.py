@@ -193,3 +193,18 @@ def test_the_loader_says_what_the_cache_build_skipped(tmp_path, caplog) -> None:
         log_build_skips(VLCache.open(path))
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "was built from 3 rows; 2 were skipped then {'missing_video': 2}" in said
+
+
+@pytest.mark.parametrize(
+    ("weights", "p"),
+    [((1e308, 1e308), (0.5, 0.5)), ((1e308, 0.0, 1e308), (0.5, 0.0, 0.5)), ((7, 3), (0.7, 0.3))],
+)
+def test_mixture_weights_whose_sum_overflows_still_mix(weights, p) -> None:
+    # each weight is finite (accepted), but their sum was inf: every share 0, every source
+    # "ended" and the loader ended before its first batch, exit code 0
+    from torchtitan_ext.pipeline.mix import SourceSpec, check_sources, normalized
+
+    specs = [SourceSpec(name=f"s{i}", weight=w, path=f"d{i}") for i, w in enumerate(weights)]
+    check_sources(specs)
+    got = normalized(specs)
+    assert np.allclose(got, p, rtol=0, atol=1e-15) and got.sum() == pytest.approx(1.0)

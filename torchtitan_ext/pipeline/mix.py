@@ -142,9 +142,15 @@ def check_sources(specs: Sequence[SourceSpec], where: str = "[[dataloader.source
 
 
 def normalized(specs: Sequence[SourceSpec]) -> np.ndarray:
-    """The weights as probabilities (float64, summing to 1)."""
+    """The weights as probabilities (float64, summing to 1). Finite weights whose sum overflows
+    (``1e308`` twice) are scaled by the largest first: dividing by an infinite sum made every
+    probability 0, every source "ended" and the loader end before its first batch."""
     w = np.array([float(s.weight) for s in specs], dtype=np.float64)
-    return w / w.sum()
+    total = w.sum()
+    if not math.isfinite(total):
+        w = w / w.max()
+        total = w.sum()
+    return w / total
 
 
 def draws_block(seed: int, stream: int, block: int, p: np.ndarray) -> np.ndarray:
