@@ -28,6 +28,7 @@ from typing import Any
 
 from torchtitan_ext.vl.cache import CacheError, VLCache, resolve_cache_dir, verify_cache
 from torchtitan_ext.vl.format import PACKING_STATS
+from torchtitan_ext.vl.preprocess import buckets_arg
 
 
 def float32_bytes(patches: int, padded_tokens: int, images: int) -> int:
@@ -203,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a sample store: show the plan of this pack length (and render its packs)",
     )
     ap.add_argument("--buffer-size", type=int, default=64, help="the plan's best-fit buffer")
-    ap.add_argument("--buckets", default=None, help="the plan's padded lengths, e.g. 4096,6144")
+    ap.add_argument(
+        "--buckets",
+        type=buckets_arg,
+        default=None,
+        help="the plan's padded lengths, e.g. 4096,6144",
+    )
     a = ap.parse_args(argv)
     try:
         path = resolve_cache_dir(a.cache_dir)
@@ -221,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.seq_len is not None and s["store"]:
         from torchtitan_ext.vl.plan import PlannedStore, PlanOptions
 
-        buckets = [int(x) for x in a.buckets.split(",") if x.strip()] if a.buckets else None
         try:
-            planned = PlannedStore.open(path, PlanOptions.make(a.seq_len, a.buffer_size, buckets))
+            planned = PlannedStore.open(
+                path, PlanOptions.make(a.seq_len, a.buffer_size, a.buckets or None)
+            )
         except (CacheError, ValueError) as e:
             return _fail(str(e))
         s["plan"] = planned.plan.stats()

@@ -93,6 +93,7 @@ def _cache_args(p: argparse.ArgumentParser, d: dict) -> None:
     )
     p.add_argument(
         "--buckets",
+        type=buckets_arg,
         default=None,
         help="comma-separated padded lengths (<= seq-len; the plan's); default: pad to seq-len",
     )
@@ -184,13 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from torchtitan_ext.vl.pack_source import resolve_dataset
 
-    if a.buckets:
-        try:
-            a.buckets = [int(x) for x in a.buckets.split(",") if x.strip()]
-        except ValueError:
-            print(f"preprocess-cached: error: --buckets {a.buckets!r}: expected comma-separated "
-                  "token counts, e.g. 512,768", file=sys.stderr)  # fmt: skip
-            return 2
     bad_dir = _cache_dir_error(a.cache_dir)
     if bad_dir:
         print(f"preprocess-cached: error: --cache-dir {a.cache_dir}: {bad_dir}", file=sys.stderr)
@@ -250,6 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     return 0
+
+
+def buckets_arg(text: str) -> list[int]:
+    """``--buckets`` (here and in inspect-cache): comma-separated token counts; argparse turns
+    the error into one usage line and exit code 2."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated token counts, e.g. 512,768"
+        ) from None
 
 
 def _cache_dir_error(cache_dir: str | None) -> str | None:
