@@ -159,30 +159,15 @@ def model_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize(("dataset", "warned"), [("sample_video", True), ("sample", False)])
-def test_video_knobs_unlike_the_checkpoints_are_said(model_dir, caplog, dataset, warned) -> None:
-    # the file is not read into the build: a fine-tune with the default knobs used to process
-    # video with 1/32 of the checkpoint's pixel budget, with nothing said
+def test_the_published_checkpoints_video_settings_are_used(model_dir) -> None:
+    """Left unset, the video knobs take the checkpoint's file (the default knobs used to process
+    video at 1/32 of the checkpoint's pixel budget, with nothing said)."""
     from torchtitan_ext.vl.build_config import config_from
     from torchtitan_ext.vl.pack_source import resolve_dataset
 
-    cfg = config_from(resolve_dataset(dataset), "train", 1024, 16, model_path=str(model_dir))
-    with caplog.at_level("WARNING", logger="torchtitan_ext.vl.build"):
-        B._resolve(cfg)
-    said = " ".join(r.getMessage() for r in caplog.records)
-    assert ("video_max_pixels = 786432 (the checkpoint's: 25165824)" in said) is warned
-    assert ("video_min_pixels = 131072 (the checkpoint's: 4096)" in said) is warned
-
-
-def test_video_knobs_equal_to_the_checkpoints_are_not_said(model_dir, caplog) -> None:
-    from torchtitan_ext.vl.build_config import config_from
-    from torchtitan_ext.vl.pack_source import resolve_dataset
-
-    cfg = config_from(resolve_dataset("sample_video"), "train", 1024, 16, model_path=str(model_dir),
-                      video_min_pixels=4096, video_max_pixels=25165824)  # fmt: skip
-    with caplog.at_level("WARNING", logger="torchtitan_ext.vl.build"):
-        B._resolve(cfg)
-    assert not [r for r in caplog.records if "video_preprocessor_config" in r.getMessage()]
+    cfg = config_from(resolve_dataset("sample_video"), "train", 1024, 16, model_path=str(model_dir))
+    assert (cfg.video_min_pixels, cfg.video_max_pixels) == (4096, 25165824)
+    assert (cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames) == (2, 4, 768)
 
 
 def test_the_loader_says_what_the_cache_build_skipped(tmp_path, caplog) -> None:
