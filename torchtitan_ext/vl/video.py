@@ -243,11 +243,42 @@ class VideoPatches:
         return video_placeholder(self.timestamps, self.tokens_per_frame)
 
 
+class FitFrames:
+    """Resize each sampled frame as it is decoded (``read_video``'s ``fit``): the target size is
+    the video's (:func:`target_size` of ``num_frames`` and the first frame's size), and torch's
+    resize of one frame gives the bytes it gives that frame within the whole stack (it resizes
+    each image of a batch alone; tests/test_vl_video.py compares with HF's processor). A frame
+    whose size differs from the first one's is ``corrupt_video`` (HF cannot stack it either)."""
+
+    def __init__(self, num_frames: int, o: VideoOptions) -> None:
+        self.num_frames, self.o = num_frames, o
+        self.source: tuple[int, int] | None = None
+        self.size: tuple[int, int] | None = None
+
+    def __call__(self, frame: np.ndarray) -> np.ndarray:
+        hw = (int(frame.shape[0]), int(frame.shape[1]))
+        if self.size is None:
+            self.source, self.size = hw, target_size(self.num_frames, *hw, self.o)
+        elif hw != self.source:
+            raise SampleError(
+                "corrupt_video",
+                f"the frame size changes within the video ({self.source[1]}x{self.source[0]} "
+                f"then {hw[1]}x{hw[0]})",
+            )
+        return resize_frames(frame[None], *self.size)[0]
+
+
 def frames_to_patches(
-    frames: np.ndarray, indices: np.ndarray, video_fps: float, total: int, o: VideoOptions
+    frames: np.ndarray,
+    indices: np.ndarray,
+    video_fps: float,
+    total: int,
+    o: VideoOptions,
+    size: tuple[int, int] | None = None,
 ) -> VideoPatches:
-    """Sampled uint8 [n, H, W, 3] frames -> :class:`VideoPatches` (resize, pad, patchify)."""
-    rh, rw = target_size(len(frames), frames.shape[1], frames.shape[2], o)
+    """Sampled uint8 [n, H, W, 3] frames -> :class:`VideoPatches` (resize, pad, patchify).
+    ``size``: the frames are already resized to it (:class:`FitFrames`)."""
+    rh, rw = size or target_size(len(frames), frames.shape[1], frames.shape[2], o)
     patches, grid = patchify_video(resize_frames(frames, rh, rw), o)
     return VideoPatches(
         patches=patches,
@@ -274,8 +305,14 @@ class VideoProcessor:
         self.options = options or VideoOptions()
 
     def __call__(self, src: VideoSource, root: str | Path | None = None) -> VideoPatches:
-        frames, indices, fps, total = read_video(src, self.options, root)
-        return frames_to_patches(frames, indices, fps, total, self.options)
+        fits: list[FitFrames] = []
+
+        def fit(n: int) -> FitFrames:
+            fits.append(FitFrames(n, self.options))
+            return fits[0]
+
+        frames, indices, fps, total = read_video(src, self.options, root, fit)
+        return frames_to_patches(frames, indices, fps, total, self.options, fits[0].size)
 
     def from_frames(self, frames: Sequence[Any] | np.ndarray, fps: float) -> VideoPatches:
         if not (isinstance(fps, (int, float)) and math.isfinite(fps) and fps > 0):
