@@ -276,14 +276,19 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
                         show_progress=False, store=True)  # fmt: skip
     torch.set_num_threads(threads)
 
-    def planned_iter() -> Iterator[dict]:
+    def planned_iter(copy_pixels: bool = True) -> Iterator[dict]:
         planned = PlannedStore.open(store, PlanOptions.make(SEQ, 32, None))
         assert len(planned) == info["packs_in_cache"], "the plan has the packed cache's packs"
-        ds = CachedVLDataset(planned, 0, 1, seed=0, shuffle=False)
-        it = iter(ds)
-        for _ in range(len(ds.cache)):
-            int(next(it)["pixel_u8"][:, 0].sum())
-        return it
+        for i in range(len(planned)):  # every pack's pages once through these maps
+            int(planned.pack(i)["pixel_u8"][:, 0].sum())
+        return iter(CachedVLDataset(planned, 0, 1, seed=0, shuffle=False, copy_pixels=copy_pixels))
+
+    def planned(fmt: str, on: str, gather_first: bool = False) -> Callable[[], float]:
+        """Steps over the planned store as the loader reads it (pixels left in the store where
+        the collate copies them); ``gather_first``: each pack's pixels gathered into one array
+        first, as before ``vl/pixel_rows.py`` (the torchtitan layout then copies them again)."""
+        c = coll(fmt, on)
+        return _stepper(planned_iter(gather_first or not c.copies_pixels), c)
 
     def online_iter() -> Iterator[dict]:
         return iter(OnlineVLDataset(data, "train", seq_len=SEQ, buffer_size=32, dp_rank=0,
@@ -301,8 +306,9 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
 
     fns: dict[str, Callable[[], Any]] = {
         "tt_u8": cached("torchtitan", "device"),
-        "plan_tt_u8": _stepper(planned_iter(), coll("torchtitan", "device")),
-        "plan_hf_u8": _stepper(planned_iter(), coll("hf", "device")),
+        "plan_tt_u8": planned("torchtitan", "device"),
+        "plan_tt_u8_gather": planned("torchtitan", "device", gather_first=True),
+        "plan_hf_u8": planned("hf", "device"),
         "hf_u8": cached("hf", "device"),
         "hf_u8_copy": cached("hf", "device", materialise=True),
         "hf_f32": cached("hf", "collate"),
@@ -319,7 +325,10 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
     named = [
         ("tt_u8", "step torchtitan u8 (fetch+collate)", None),
         ("plan_tt_u8", "step torchtitan u8, planned store (gather+collate)",
-         "the same packs gathered sample by sample from the sample store (vl/plan.py)"),
+         "the same packs read sample by sample from the sample store (vl/plan.py), each "
+         "image's pixels copied once, from the store's map into the batch"),
+        ("plan_tt_u8_gather", "baseline: step torchtitan u8, planned store, pixels gathered "
+         "first", "the earlier planned read: one gather copy, then the per-image padding copy"),
         ("plan_hf_u8", "step hf u8, planned store (gather+collate)", None),
         ("hf_u8", "step hf u8 (fetch+collate)",
          "uint8 pixels: the float32 is made on the GPU after the copy, not timed here"),

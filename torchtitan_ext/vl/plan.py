@@ -53,6 +53,7 @@ import torch
 from torchtitan_ext.vl.assemble import assemble_pack
 from torchtitan_ext.vl.cache import VLCache
 from torchtitan_ext.vl.packing import best_fit_packs, normalize_buckets
+from torchtitan_ext.vl.pixel_rows import PixelRows
 
 
 @dataclass(frozen=True)
@@ -201,22 +202,29 @@ class PlannedStore:
         a = self.store.shard_arrays(int(p.shard[i]))
         return a, p.members[p.offsets[i] : p.offsets[i + 1]]
 
-    def pack(self, i: int, copy_pixels: bool = True) -> dict[str, torch.Tensor]:
-        """Pack ``i`` of the plan: ``VLCache.pack``'s tensors. The pixels are always a fresh
-        array (gathered from several samples; ``copy_pixels`` is accepted for the interface)."""
+    def pack(self, i: int, copy_pixels: bool = True) -> dict[str, torch.Tensor | PixelRows]:
+        """Pack ``i`` of the plan: ``VLCache.pack``'s tensors, the pixels gathered into a fresh
+        array. ``copy_pixels=False`` (for a collate that copies the pixels anyway:
+        ``PackCollator.copies_pixels``) leaves them where they lie: ``pixel_u8`` is then a
+        :class:`~torchtitan_ext.vl.pixel_rows.PixelRows` of per-sample views of the store's
+        map, whose ``tensor()`` is bitwise the gathered array; every other key is unchanged."""
         a, m = self._locate(i)
         o = a["pack_offsets"]  # a store's "pack" j is sample j: its token/image/patch ranges
         vo = a["video_offsets"]  # ... and its video / video patch ranges
 
-        def gather(col: str, offsets: np.ndarray, c: int) -> np.ndarray:
+        def views(col: str, offsets: np.ndarray, c: int) -> list[np.ndarray]:
             src, lo, hi = a[col], offsets[m, c].tolist(), offsets[m + 1, c].tolist()
-            return np.concatenate([src[x:y] for x, y in zip(lo, hi, strict=True)])
+            return [src[x:y] for x, y in zip(lo, hi, strict=True)]
 
+        def gather(col: str, offsets: np.ndarray, c: int) -> np.ndarray:
+            return np.concatenate(views(col, offsets, c))
+
+        rows = PixelRows.of(views("pixels", o, 3), int(a["pixels"].shape[1]))
         return assemble_pack(
             gather("tokens", o, 1), gather("label_mask", o, 1), a["sample_lens"][m],
-            gather("grid_thw", o, 2), gather("pixels", o, 3), int(self.plan.pack_len[i]),
-            self.special_tokens, self.spatial_merge_size, copy_pixels=False,
-            video_grid_thw=gather("video_grid_thw", vo, 0),
+            gather("grid_thw", o, 2), rows.numpy() if copy_pixels else rows,
+            int(self.plan.pack_len[i]), self.special_tokens, self.spatial_merge_size,
+            copy_pixels=False, video_grid_thw=gather("video_grid_thw", vo, 0),
             video_pixels=gather("video_pixels", vo, 1),
         )  # fmt: skip
 
