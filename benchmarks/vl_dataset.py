@@ -15,6 +15,11 @@ Cases (each baseline measured in the same run, interleaved with what it is compa
     (what the staging thread's pinned copy costs), and HF format with float32 pixels normalised
     on the CPU in the collate (``normalize_on="collate"``: the like-for-like output of HF's
     processor).
+  - **Planned store**: the same packs read from a sample store through a plan (``vl/plan.py``)
+    as the loader reads them: torchtitan u8 copies each image's pixels once, from the store's
+    map into the padded batch (``vl/pixel_rows.py``); hf u8 gathers them into one array.
+    Baseline: the earlier torchtitan read, which gathered each pack's pixels into one array and
+    then copied them again into the per-image padding.
   - Baseline **HF online**: ``Qwen3VLProcessor`` (PIL image processor) on the rows of one pack,
     float32 ``pixel_values``, concatenated into one HF-format batch (what a fine-tuning stack
     that preprocesses in its collate does; no best-fit buffer, whose cost is negligible).
