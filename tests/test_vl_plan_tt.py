@@ -205,3 +205,14 @@ def _collate_or_error(coll: PackCollator, pack):
         return coll([pack])
     except ValueError as e:
         return str(e)
+
+
+@pytest.mark.parametrize("on", ["collate", "device"])
+def test_a_batch_mixing_packed_and_planned_packs(env, on):
+    """A mixture may batch a packed cache's pack (a tensor view) with a planned one (rows in
+    the store): the batch is that of the two packed-cache packs."""
+    coll, cache, planned = _collator(env, "torchtitan", on), env["cache"], env["planned"]
+    n = len(cache)
+    want = coll([cache.pack(0, copy_pixels=False), cache.pack(n - 1, copy_pixels=False)])
+    got = coll([cache.pack(0, copy_pixels=False), planned.pack(n - 1, copy_pixels=False)])
+    assert same(want, got)
