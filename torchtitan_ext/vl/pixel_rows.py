@@ -17,8 +17,10 @@ the range lies in one sample, as every image's rows do). A ``PixelRows`` pickles
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -32,12 +34,12 @@ class PixelRows:
     """Each [n_k, D] uint8; the rows are their concatenation."""
     patch_dim: int
     """D (so an empty ``PixelRows`` still has a shape)."""
-    starts: np.ndarray = field(init=False, repr=False, compare=False)
-    """int64 [K+1]: the first row of each segment, then N."""
+    starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The first row of each segment, then N (plain ints: a lookup per image is a bisect)."""
 
     def __post_init__(self) -> None:
-        sizes = [len(s) for s in self.segments]
-        object.__setattr__(self, "starts", np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))))
+        starts = tuple(accumulate((len(s) for s in self.segments), initial=0))
+        object.__setattr__(self, "starts", starts)
 
     @classmethod
     def of(
@@ -57,14 +59,14 @@ class PixelRows:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (int(self.starts[-1]), self.patch_dim)
+        return (self.starts[-1], self.patch_dim)
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.uint8
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self.starts[-1]
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         """Rows ``rows.start:rows.stop`` (step 1): a view when they lie in one segment."""
@@ -72,16 +74,16 @@ class PixelRows:
         if step != 1:
             raise ValueError("PixelRows takes a plain row range")
         hi = max(hi, lo)
-        k = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        k = bisect_right(self.starts, lo) - 1  # the segment holding row lo
         if k >= len(self.segments):  # an empty range at the end
             return np.zeros((0, self.patch_dim), dtype=np.uint8)
-        s = int(self.starts[k])
+        s = self.starts[k]
         if hi <= self.starts[k + 1]:
             return self.segments[k][lo - s : hi - s]
-        last = int(np.searchsorted(self.starts, hi, side="left"))
+        last = bisect_left(self.starts, hi)  # segments k .. last-1 hold the range
         pieces = [self.segments[j] for j in range(k, last)]
         pieces[0] = pieces[0][lo - s :]
-        pieces[-1] = pieces[-1][: hi - int(self.starts[last - 1])]
+        pieces[-1] = pieces[-1][: hi - self.starts[last - 1]]
         return np.concatenate(pieces)
 
     def numpy(self) -> np.ndarray:

@@ -209,23 +209,28 @@ class PlannedStore:
         :class:`~torchtitan_ext.vl.pixel_rows.PixelRows` of per-sample views of the store's
         map, whose ``tensor()`` is bitwise the gathered array; every other key is unchanged."""
         a, m = self._locate(i)
-        o = a["pack_offsets"]  # a store's "pack" j is sample j: its token/image/patch ranges
-        vo = a["video_offsets"]  # ... and its video / video patch ranges
+        # a store's "pack" j is sample j: its [sample, token, image, patch] ranges, and its
+        # [video, video patch] ranges; each column's starts and ends as lists of ints
+        lo, hi = a["pack_offsets"][m].T.tolist(), a["pack_offsets"][m + 1].T.tolist()
+        vlo, vhi = a["video_offsets"][m].T.tolist(), a["video_offsets"][m + 1].T.tolist()
 
-        def views(col: str, offsets: np.ndarray, c: int) -> list[np.ndarray]:
-            src, lo, hi = a[col], offsets[m, c].tolist(), offsets[m + 1, c].tolist()
-            return [src[x:y] for x, y in zip(lo, hi, strict=True)]
+        def views(col: str, starts: list[int], ends: list[int]) -> list[np.ndarray]:
+            src = a[col]
+            return [src[x:y] for x, y in zip(starts, ends, strict=True)]
 
-        def gather(col: str, offsets: np.ndarray, c: int) -> np.ndarray:
-            return np.concatenate(views(col, offsets, c))
+        def gather(col: str, starts: list[int], ends: list[int]) -> np.ndarray:
+            if starts == ends:  # nothing (e.g. no video in the pack): skip the Python loop
+                return a[col][:0]
+            return np.concatenate(views(col, starts, ends))
 
-        rows = PixelRows.of(views("pixels", o, 3), int(a["pixels"].shape[1]))
+        rows = PixelRows(tuple(views("pixels", lo[3], hi[3])), int(a["pixels"].shape[1]))
         return assemble_pack(
-            gather("tokens", o, 1), gather("label_mask", o, 1), a["sample_lens"][m],
-            gather("grid_thw", o, 2), rows.numpy() if copy_pixels else rows,
-            int(self.plan.pack_len[i]), self.special_tokens, self.spatial_merge_size,
-            copy_pixels=False, video_grid_thw=gather("video_grid_thw", vo, 0),
-            video_pixels=gather("video_pixels", vo, 1),
+            gather("tokens", lo[1], hi[1]), gather("label_mask", lo[1], hi[1]),
+            a["sample_lens"][m], gather("grid_thw", lo[2], hi[2]),
+            rows.numpy() if copy_pixels else rows, int(self.plan.pack_len[i]),
+            self.special_tokens, self.spatial_merge_size, copy_pixels=False,
+            video_grid_thw=gather("video_grid_thw", vlo[0], vhi[0]),
+            video_pixels=gather("video_pixels", vlo[1], vhi[1]),
         )  # fmt: skip
 
     def pack_shape(self, i: int) -> int:
