@@ -15,6 +15,11 @@ Cases (each baseline measured in the same run, interleaved with what it is compa
     (what the staging thread's pinned copy costs), and HF format with float32 pixels normalised
     on the CPU in the collate (``normalize_on="collate"``: the like-for-like output of HF's
     processor).
+  - **Planned store**: the same packs read from a sample store through a plan (``vl/plan.py``)
+    as the loader reads them: torchtitan u8 copies each image's pixels once, from the store's
+    map into the padded batch (``vl/pixel_rows.py``); hf u8 gathers them into one array.
+    Baseline: the earlier torchtitan read, which gathered each pack's pixels into one array and
+    then copied them again into the per-image padding.
   - Baseline **HF online**: ``Qwen3VLProcessor`` (PIL image processor) on the rows of one pack,
     float32 ``pixel_values``, concatenated into one HF-format batch (what a fine-tuning stack
     that preprocesses in its collate does; no best-fit buffer, whose cost is negligible).
@@ -276,14 +281,19 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
                         show_progress=False, store=True)  # fmt: skip
     torch.set_num_threads(threads)
 
-    def planned_iter() -> Iterator[dict]:
+    def planned_iter(copy_pixels: bool = True) -> Iterator[dict]:
         planned = PlannedStore.open(store, PlanOptions.make(SEQ, 32, None))
         assert len(planned) == info["packs_in_cache"], "the plan has the packed cache's packs"
-        ds = CachedVLDataset(planned, 0, 1, seed=0, shuffle=False)
-        it = iter(ds)
-        for _ in range(len(ds.cache)):
-            int(next(it)["pixel_u8"][:, 0].sum())
-        return it
+        for i in range(len(planned)):  # every pack's pages once through these maps
+            int(planned.pack(i)["pixel_u8"][:, 0].sum())
+        return iter(CachedVLDataset(planned, 0, 1, seed=0, shuffle=False, copy_pixels=copy_pixels))
+
+    def planned(fmt: str, on: str, gather_first: bool = False) -> Callable[[], float]:
+        """Steps over the planned store as the loader reads it (pixels left in the store where
+        the collate copies them); ``gather_first``: each pack's pixels gathered into one array
+        first, as before ``vl/pixel_rows.py`` (the torchtitan layout then copies them again)."""
+        c = coll(fmt, on)
+        return _stepper(planned_iter(gather_first or not c.copies_pixels), c)
 
     def online_iter() -> Iterator[dict]:
         return iter(OnlineVLDataset(data, "train", seq_len=SEQ, buffer_size=32, dp_rank=0,
@@ -301,8 +311,8 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
 
     fns: dict[str, Callable[[], Any]] = {
         "tt_u8": cached("torchtitan", "device"),
-        "plan_tt_u8": _stepper(planned_iter(), coll("torchtitan", "device")),
-        "plan_hf_u8": _stepper(planned_iter(), coll("hf", "device")),
+        "plan_tt_u8": planned("torchtitan", "device"),
+        "plan_hf_u8": planned("hf", "device"),
         "hf_u8": cached("hf", "device"),
         "hf_u8_copy": cached("hf", "device", materialise=True),
         "hf_f32": cached("hf", "collate"),
@@ -310,6 +320,9 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
         "online_u8": _stepper(online_iter(), coll("hf", "device")),
         "online_f32": _stepper(online_iter(), coll("hf", "collate")),
         "hf_online": _hf_online_stepper(load_processor(None), rows, info["images"]),
+        # followed (rounds rotate) only by per_pack: the two arrays it frees each step leave the
+        # allocator in a state that slows whichever step comes next (page faults on fresh memory)
+        "plan_tt_u8_gather": planned("torchtitan", "device", gather_first=True),
         "per_pack": per_pack,
     }
     reps = max(args.repeats, 5) * (1 if args.quick else 4)
@@ -319,7 +332,10 @@ def _step_rows(args: BenchArgs, work: Path) -> list[Row]:
     named = [
         ("tt_u8", "step torchtitan u8 (fetch+collate)", None),
         ("plan_tt_u8", "step torchtitan u8, planned store (gather+collate)",
-         "the same packs gathered sample by sample from the sample store (vl/plan.py)"),
+         "the same packs read sample by sample from the sample store (vl/plan.py), each "
+         "image's pixels copied once, from the store's map into the batch"),
+        ("plan_tt_u8_gather", "baseline: step torchtitan u8, planned store, pixels gathered "
+         "first", "the earlier planned read: one gather copy, then the per-image padding copy"),
         ("plan_hf_u8", "step hf u8, planned store (gather+collate)", None),
         ("hf_u8", "step hf u8 (fetch+collate)",
          "uint8 pixels: the float32 is made on the GPU after the copy, not timed here"),

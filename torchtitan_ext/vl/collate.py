@@ -70,6 +70,7 @@ from torchtitan_ext.vl.collate_torchtitan import (
     torchtitan_special_tokens,
     zero_padding,
 )
+from torchtitan_ext.vl.pixel_rows import pixel_tensor
 from torchtitan_ext.vl.video_batch import add_videos, finish_videos
 
 __all__ = [
@@ -107,7 +108,7 @@ def collate_hf(
         "image_grid_thw": cat_rows([p["image_grid_thw"] for p in packs]),
         "use_cache": False,
     }
-    pixels = cat_rows([p["pixel_u8"] for p in packs])
+    pixels = cat_rows([pixel_tensor(p["pixel_u8"]) for p in packs])
     if normalize_on == "collate":
         batch["pixel_values"] = normalize(pixels, norm)
     elif normalize_on == "device":

@@ -235,7 +235,8 @@ class CachedVLDataset(IterableDataset):
                 ``dp_world_size`` is made equal for all ranks (module docstring).
             block_size: packs per worker block; set it to the DataLoader batch size so that the
                 order with workers equals the order without.
-            copy_pixels: ``False`` yields ``pixel_u8`` as a view of the cache's mapping, for a
+            copy_pixels: ``False`` yields ``pixel_u8`` as a view of the cache's mapping (from
+                a planned sample store: a ``PixelRows``, views of the store's maps), for a
                 collate that copies or normalises the pixels into a new tensor anyway
                 (``PackCollator.copies_pixels``): one 20 MB copy fewer per 8k-token pack.
         """

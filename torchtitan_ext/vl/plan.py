@@ -53,6 +53,7 @@ import torch
 from torchtitan_ext.vl.assemble import assemble_pack
 from torchtitan_ext.vl.cache import VLCache
 from torchtitan_ext.vl.packing import best_fit_packs, normalize_buckets
+from torchtitan_ext.vl.pixel_rows import PixelRows
 
 
 @dataclass(frozen=True)
@@ -201,23 +202,35 @@ class PlannedStore:
         a = self.store.shard_arrays(int(p.shard[i]))
         return a, p.members[p.offsets[i] : p.offsets[i + 1]]
 
-    def pack(self, i: int, copy_pixels: bool = True) -> dict[str, torch.Tensor]:
-        """Pack ``i`` of the plan: ``VLCache.pack``'s tensors. The pixels are always a fresh
-        array (gathered from several samples; ``copy_pixels`` is accepted for the interface)."""
+    def pack(self, i: int, copy_pixels: bool = True) -> dict[str, torch.Tensor | PixelRows]:
+        """Pack ``i`` of the plan: ``VLCache.pack``'s tensors, the pixels gathered into a fresh
+        array. ``copy_pixels=False`` (for a collate that copies the pixels anyway:
+        ``PackCollator.copies_pixels``) leaves them where they lie: ``pixel_u8`` is then a
+        :class:`~torchtitan_ext.vl.pixel_rows.PixelRows` of per-sample views of the store's
+        map, whose ``tensor()`` is bitwise the gathered array; every other key is unchanged."""
         a, m = self._locate(i)
-        o = a["pack_offsets"]  # a store's "pack" j is sample j: its token/image/patch ranges
-        vo = a["video_offsets"]  # ... and its video / video patch ranges
+        # a store's "pack" j is sample j: its [sample, token, image, patch] ranges, and its
+        # [video, video patch] ranges; each column's starts and ends as lists of ints
+        lo, hi = a["pack_offsets"][m].T.tolist(), a["pack_offsets"][m + 1].T.tolist()
+        vlo, vhi = a["video_offsets"][m].T.tolist(), a["video_offsets"][m + 1].T.tolist()
 
-        def gather(col: str, offsets: np.ndarray, c: int) -> np.ndarray:
-            src, lo, hi = a[col], offsets[m, c].tolist(), offsets[m + 1, c].tolist()
-            return np.concatenate([src[x:y] for x, y in zip(lo, hi, strict=True)])
+        def views(col: str, starts: list[int], ends: list[int]) -> list[np.ndarray]:
+            src = a[col]
+            return [src[x:y] for x, y in zip(starts, ends, strict=True)]
 
+        def gather(col: str, starts: list[int], ends: list[int]) -> np.ndarray:
+            if starts == ends:  # nothing (e.g. no video in the pack): skip the Python loop
+                return a[col][:0]
+            return np.concatenate(views(col, starts, ends))
+
+        rows = PixelRows(tuple(views("pixels", lo[3], hi[3])), int(a["pixels"].shape[1]))
         return assemble_pack(
-            gather("tokens", o, 1), gather("label_mask", o, 1), a["sample_lens"][m],
-            gather("grid_thw", o, 2), gather("pixels", o, 3), int(self.plan.pack_len[i]),
+            gather("tokens", lo[1], hi[1]), gather("label_mask", lo[1], hi[1]),
+            a["sample_lens"][m], gather("grid_thw", lo[2], hi[2]),
+            rows.numpy() if copy_pixels else rows, int(self.plan.pack_len[i]),
             self.special_tokens, self.spatial_merge_size, copy_pixels=False,
-            video_grid_thw=gather("video_grid_thw", vo, 0),
-            video_pixels=gather("video_pixels", vo, 1),
+            video_grid_thw=gather("video_grid_thw", vlo[0], vhi[0]),
+            video_pixels=gather("video_pixels", vlo[1], vhi[1]),
         )  # fmt: skip
 
     def pack_shape(self, i: int) -> int:
