@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import numpy as np
@@ -203,3 +204,29 @@ def test_mixture_weights_whose_sum_overflows_still_mix(weights, p) -> None:
     check_sources(specs)
     got = normalized(specs)
     assert np.allclose(got, p, rtol=0, atol=1e-15) and got.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("value", ["-1", "two"])
+def test_preprocess_refuses_a_bad_worker_count(value, capsys) -> None:
+    from torchtitan_ext.vl.preprocess import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--dataset", "sample", "--cache-dir", "x", "--num-workers", value])
+    assert e.value.code == 2 and "--num-workers" in capsys.readouterr().err
+
+
+def test_peek_names_an_empty_mixture_source_before_building(tmp_path, capsys) -> None:
+    """peek runs the data checks training runs first: one line, exit code 2, nothing built."""
+    from torchtitan_ext.peek import EXIT_CONFIG, main
+
+    repo = Path(__file__).resolve().parents[1]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty / "train-0.parquet")
+    cfg = (repo / "train_configs" / "llama3_mixture_cpu.toml").read_text()
+    assert 'path = "embedded:shakespeare"' in cfg
+    job = tmp_path / "job.toml"
+    job.write_text(cfg.replace('path = "embedded:shakespeare"', f'path = "{empty}"'))
+    assert main(["--config-file", str(job), "--batches", "1"]) == EXIT_CONFIG == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "source 'shakespeare'" in err[0] and "empty source" in err[0]

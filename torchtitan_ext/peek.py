@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu_compat.apply()
     from torchtitan_ext.config import ConfigError, config_to_dict, load_config
+    from torchtitan_ext.preflight import run_data_checks
     from torchtitan_ext.preflight.paths import check_loader_paths
 
     save_after: int | None = None
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.num_workers is not None:
             set_num_workers(target, ns.num_workers, section)
         check_loader_paths(target, str(ns.config_file), section)
+        run_data_checks(cfg, str(ns.config_file))  # a mixture's sources, video options
         if ns.load_state is not None and not Path(ns.load_state).is_file():
             raise PeekConfigError(f"--load-state {ns.load_state}: file not found")
         if not 0 <= ns.dp_rank < ns.dp_world_size:

@@ -50,6 +50,14 @@ CHECKS: list[str | Check] = [
     "torchtitan_ext.vl.mix_preflight:check_vl_mixture",
 ]
 
+DATA_CHECKS: list[str | Check] = [
+    "torchtitan_ext.preflight.mixture:check_mixture",
+    "torchtitan_ext.preflight.data:check_vl_video_options",
+    "torchtitan_ext.vl.mix_preflight:check_vl_mixture",
+]
+"""The checks of :data:`CHECKS` that read the data settings alone (no tokenizer, model or
+checkpoint): what a tool that only reads data (``peek``) runs before building a loader."""
+
 # [model] module -> its model-specific checks (run after CHECKS).
 MODEL_CHECKS: dict[str, list[str | Check]] = {
     "qwen3_vl": ["torchtitan_ext.models.qwen3_vl.preflight:check"],
@@ -122,4 +130,21 @@ def run(config: Any, file: str = "<config>", world_size: int | None = None) -> J
     return job
 
 
-__all__ = ["CHECKS", "MODEL_CHECKS", "Check", "Job", "JobComplete", "loader_name", "run"]
+def run_data_checks(config: Any, file: str = "<config>") -> None:
+    """Run :data:`DATA_CHECKS` on ``config``; raises ConfigError (one line)."""
+    job = Job(config, file)
+    for check in DATA_CHECKS:
+        _resolve(check)(job)
+
+
+__all__ = [
+    "CHECKS",
+    "DATA_CHECKS",
+    "MODEL_CHECKS",
+    "run_data_checks",
+    "Check",
+    "Job",
+    "JobComplete",
+    "loader_name",
+    "run",
+]

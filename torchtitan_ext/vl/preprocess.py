@@ -155,6 +155,17 @@ def _video_args(p: argparse.ArgumentParser, d: dict) -> None:
             p.add_argument(flag, type=type(fallback), default=d[name], help=text)
 
 
+def _count(text: str) -> int:
+    """An integer >= 0 (argparse's type: anything else is a usage error, exit code 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
     """How this build runs (not part of the key)."""
     from torchtitan_ext.vl.build import default_num_workers
@@ -162,7 +173,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild even if the cache exists")
     p.add_argument(
         "--num-workers",
-        type=int,
+        type=_count,
         default=None,
         help=f"decode/resize/patchify processes (default here: {default_num_workers()}; "
         "0 = in the main process)",
