@@ -81,3 +81,16 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, text, match):
     assert str(tmp_path / VIDEO_CONFIG_FILE) in str(e.value) and "\n" not in str(e.value)
     assert processor_video_defaults(tmp_path / "absent") == VideoOptions()
     assert processor_video_defaults(None) == VideoOptions()
+
+
+def test_the_key_holds_the_resolved_values_however_the_config_was_made(env):
+    """A ``BuildConfig`` made directly (knobs left None) keys as the one ``config_from`` fills."""
+    from torchtitan_ext.vl.build import _resolve
+    from torchtitan_ext.vl.build_config import BuildConfig
+
+    ckpt = str(env["ckpt"])
+    raw = BuildConfig(dataset=str(env["data"]), seq_len=SEQ, buffer_size=8, store=True,
+                      model_path=ckpt)  # fmt: skip
+    made = config_from(env["data"], "train", SEQ, 8, store=True, model_path=ckpt)
+    assert raw.video_fps is None and made.video_fps == 1.0
+    assert _resolve(raw)[2] == _resolve(made)[2]

@@ -39,6 +39,7 @@ from torchtitan_ext.vl.build_config import (
     BuildConfig,
     config_from,
     store_fields,
+    video_knobs,
 )
 from torchtitan_ext.vl.chat import LABEL_RULE
 from torchtitan_ext.vl.format import (
@@ -102,6 +103,7 @@ def cache_key(
     else:
         cfg = asdict(config)
         cfg.pop("store")
+    cfg.update(video_knobs(config))  # the values used (a knob left None: the processor's)
     for k in ("dataset", "model_path", *LAYOUT_OPTIONS):
         cfg.pop(k)
     doc = {
