@@ -305,14 +305,11 @@ class VideoProcessor:
         self.options = options or VideoOptions()
 
     def __call__(self, src: VideoSource, root: str | Path | None = None) -> VideoPatches:
-        fits: list[FitFrames] = []
-
-        def fit(n: int) -> FitFrames:
-            fits.append(FitFrames(n, self.options))
-            return fits[0]
-
-        frames, indices, fps, total = read_video(src, self.options, root, fit)
-        return frames_to_patches(frames, indices, fps, total, self.options, fits[0].size)
+        o = self.options
+        frames, indices, fps, total = read_video(src, o, root, lambda n: FitFrames(n, o))
+        # each frame was resized as decoded: the stack is at the target size already
+        size = (int(frames.shape[1]), int(frames.shape[2]))
+        return frames_to_patches(frames, indices, fps, total, o, size)
 
     def from_frames(self, frames: Sequence[Any] | np.ndarray, fps: float) -> VideoPatches:
         if not (isinstance(fps, (int, float)) and math.isfinite(fps) and fps > 0):
