@@ -3,11 +3,15 @@ end, close) and the checkpoint envelope (pickle-free round trip, one-line refusa
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 import pytest
+import torch
 
 from torchtitan_ext.pipeline import checkpoint as ckpt
-from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
+from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions, host_arrays
 from torchtitan_ext.pipeline.stage import Map, Stage
 
 
@@ -110,3 +114,38 @@ def test_prefetch_relays_the_first_error_when_state_after_error_fails_too() -> N
         p.next()
     assert any("state_after_error() failed too" in n for n in ei.value.__notes__)
     p.close()
+
+
+def _batch(i: int) -> tuple:
+    """A batch like the text loaders': a dict of two tensors and a tensor, plus a numpy array."""
+    return (
+        {"input": torch.full((4, 8), i), "positions": torch.zeros(4, 8)},
+        [torch.ones(3)],
+        (np.full(5, i),),
+    )
+
+
+def test_host_arrays_finds_every_cpu_tensor_and_array() -> None:
+    b = _batch(3)
+    found = host_arrays(b)
+    assert len(found) == 4 and all(isinstance(a, torch.Tensor | np.ndarray) for a in found)
+    assert host_arrays(7) == [] and host_arrays({"a": "text"}) == []
+
+
+def test_a_batch_the_consumer_drops_is_freed_by_the_thread_not_the_training_loop() -> None:
+    """The consumer's ``del batch`` frees no memory (the thread still references its arrays);
+    the thread frees it once the consumer is KEEP_HANDED items further on."""
+    freed_in: dict[int, str] = {}
+    p = Prefetch(Map(Counter(40), _batch), PrefetchOptions(queue_size=2))
+    for i in range(6):
+        batch = p.next()
+        t = batch[0]["input"]
+        assert int(t[0, 0]) == i
+        weakref.finalize(t, lambda i=i: freed_in.setdefault(i, threading.current_thread().name))
+        del batch, t  # the consumer is done with it: its tensor must survive for now
+        assert i not in freed_in, f"batch {i} was freed on the training loop"
+    for _ in range(20):
+        p.next()
+    p.close()
+    assert set(range(6)) <= set(freed_in)
+    assert all(name != threading.current_thread().name for name in freed_in.values()), freed_in

@@ -87,6 +87,16 @@ def to_batch(tokens: np.ndarray, positions: np.ndarray, valid: list[int]) -> Bat
     return inputs, torch.from_numpy(labels)
 
 
+def pad_rows(
+    tokens: np.ndarray, positions: np.ndarray, valid: list[int], n: int, pad_id: int
+) -> None:
+    """Rows ``n:`` of a batch become padding: ``pad_id`` tokens, positions 0, no valid token
+    (so :func:`to_batch` gives them only ignored labels)."""
+    tokens[n:] = pad_id
+    positions[n:] = 0
+    valid[n:] = [0] * (len(valid) - n)
+
+
 class PackedBatches(Stage[Batch]):
     """Tokenize ``upstream``'s chunks, pack rows of ``seq_len + 1`` tokens, emit batches of
     ``batch_size`` rows (see the module docstring)."""
@@ -148,22 +158,24 @@ class PackedBatches(Stage[Batch]):
         valid = [R] * B
         n = self._fill(tokens, positions, valid)
         if n == 0:
-            if self.counters["docs_read"] == 0:
-                logger.warning(
-                    "%s: the pass ended without a usable document (%d rows read, skipped: %s)",
-                    self.upstream.describe(),
-                    self.counters["rows_read"],
-                    self.skips.as_dict(),
-                )
-            raise StopIteration
+            self._end()
         if n < B:
             # End of a finite pass: the missing rows are all padding (labels ignored), so batch
             # shapes never change (torch.compile, fixed-shape buffers).
-            tokens[n:] = self.packer.pad_id
-            positions[n:] = 0
-            valid[n:] = [0] * (B - n)
+            pad_rows(tokens, positions, valid, n, self.packer.pad_id)
         self.counters["batches"] += 1
         return to_batch(tokens, positions, valid)
+
+    def _end(self) -> None:
+        """The pass ended with no row to give: say so if it never had a usable document."""
+        if self.counters["docs_read"] == 0:
+            logger.warning(
+                "%s: the pass ended without a usable document (%d rows read, skipped: %s)",
+                self.upstream.describe(),
+                self.counters["rows_read"],
+                self.skips.as_dict(),
+            )
+        raise StopIteration
 
     def _fill(self, tokens: np.ndarray, positions: np.ndarray, valid: list[int]) -> int:
         """Pack rows into ``tokens``/``positions``, reading and feeding chunks as needed; the
@@ -260,3 +272,43 @@ class PackedBatches(Stage[Batch]):
             "batches": c["batches"],
             "epoch": int(state["source"]["epoch"]),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class PackedRow:
+    """One packed row of ``seq_len + 1`` tokens, before the shift into inputs and labels:
+    ``tokens`` and ``positions`` ``int64 [seq_len + 1]``, ``valid`` tokens (the rest padding)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    valid: int
+
+
+class PackedRows(PackedBatches):
+    """:class:`PackedBatches` one row per ``next()``, as a :class:`PackedRow` of numpy arrays:
+    a mixture's per-source chain (``text/parquet_mix.py``), whose batcher stacks rows of several
+    sources and makes the tensors once per batch. (As one-row torch batches, each row cost ~5
+    tensor operations and each batch a stack per key; the mixture then ran at 0.96x the single
+    source's tokens/s in ``benchmarks/text_mixture.py``.) State,
+    counters and resume are :class:`PackedBatches`' with ``batch_size = 1``: ``batches`` counts
+    rows."""
+
+    def __init__(
+        self,
+        upstream: ParquetSource,
+        tokenizer: Any,
+        options: PackOptions | None = None,
+        *,
+        seq_len: int,
+    ) -> None:
+        super().__init__(upstream, tokenizer, options, seq_len=seq_len, batch_size=1)
+
+    def next(self) -> PackedRow:  # type: ignore[override]
+        R = self.packer.row_len
+        tokens = np.empty((1, R), dtype=np.int64)
+        positions = np.empty((1, R), dtype=np.int64)
+        valid = [R]
+        if self._fill(tokens, positions, valid) == 0:
+            self._end()
+        self.counters["batches"] += 1
+        return PackedRow(tokens[0], positions[0], valid[0])

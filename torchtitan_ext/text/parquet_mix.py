@@ -3,22 +3,23 @@
 ``[[dataloader.sources]]`` (:class:`~torchtitan_ext.pipeline.mix.SourceSpec`) turns the chain of
 :mod:`torchtitan_ext.text.prefetch` into::
 
-    ParquetSource(source A) -> PackedBatches(batch_size=1) ─┐
-    ParquetSource(source B) -> PackedBatches(batch_size=1) ─┼─> Mix ──> ParquetRowBatches ──> Prefetch
-    ...                                                     ─┘ (stream = dp_rank)
+    ParquetSource(source A) -> PackedRows ─┐
+    ParquetSource(source B) -> PackedRows ─┼─> Mix ──> ParquetRowBatches ──> Prefetch
+    ...                                    ─┘ (stream = dp_rank)
 
 Each source has its own reader (its row groups dealt to the DP ranks as for a single source,
 its own epochs and ``max_epochs``) and its own packer, so **a row never holds two sources** and
-a weight is a share of rows of ``seq_len + 1`` tokens, i.e. of tokens. :class:`ParquetRowBatches`
-(the streaming loader's :class:`~torchtitan_ext.text.row_batches.RowBatches`, plus this loader's
-state) stacks ``batch_size`` drawn rows into the usual ``({"input", "positions"}, labels)`` batch; at
-the end of a finite mixture the last batch is padded with ignored-label rows exactly as
+a weight is a share of rows of ``seq_len + 1`` tokens, i.e. of tokens. A source's chain yields
+numpy rows (:class:`~torchtitan_ext.text.pack_stage.PackedRows`); :class:`ParquetRowBatches`
+copies ``batch_size`` drawn rows into one array and makes the usual ``({"input", "positions"},
+labels)`` tensors once per batch, with the single-source loader's own ``to_batch``; at the end of
+a finite mixture the last batch is padded with ignored-label rows exactly as
 :class:`~torchtitan_ext.text.pack_stage.PackedBatches` pads a single source's, so shapes never
 change.
 
 State (``ParquetRowBatches.state()``): ``seq_len``, ``batch_size``, ``batches`` and ``mix`` (the
 :class:`~torchtitan_ext.pipeline.mix.Mix` state: draws, per-source ``taken`` and each source's
-own ``PackedBatches`` state). Resume: the same degree continues bitwise; another degree goes
+own ``PackedRows`` state). Resume: the same degree continues bitwise; another degree goes
 through :func:`~torchtitan_ext.pipeline.mix.resume_mix` with the single-source merge
 (:func:`~torchtitan_ext.text.parquet_resume.merge_rank_states`) per source, so within each
 source's epoch no document is lost or read twice (:func:`resume_mixture_state`).
@@ -34,13 +35,21 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from torchtitan_ext.pipeline.loader import PrefetchedLoader
 from torchtitan_ext.pipeline.mix import Mix, MixStop, MixtureError, SourceSpec, check_sources
 from torchtitan_ext.pipeline.prefetch import Prefetch, PrefetchOptions
-from torchtitan_ext.pipeline.stage import Map, State
-from torchtitan_ext.text.pack_stage import Batch, PackedBatches, PackOptions
+from torchtitan_ext.pipeline.stage import Stage, State
+from torchtitan_ext.text.pack_stage import (
+    Batch,
+    PackedRow,
+    PackedRows,
+    PackOptions,
+    pad_rows,
+    to_batch,
+)
 from torchtitan_ext.text.parquet_source import ParquetOptions, ParquetSource
-from torchtitan_ext.text.row_batches import RowBatches
 from torchtitan_ext.text.tokenize import TextTokenizer
 
 WHERE = "[[dataloader.sources]]"
@@ -107,28 +116,42 @@ def check_parquet_sources(
     return paths
 
 
-def one_row(batch: Batch) -> Batch:
-    """A one-row batch ``[1, T]`` (a source's ``PackedBatches(batch_size=1)``) as a row ``[T]``."""
-    x, labels = batch
-    return {k: v[0] for k, v in x.items()}, labels[0]
+class ParquetRowBatches(Stage[Batch]):
+    """``batch_size`` rows drawn by the :class:`~torchtitan_ext.pipeline.mix.Mix` (each a
+    :class:`~torchtitan_ext.text.pack_stage.PackedRow` of one source) per batch, with the
+    Parquet loader's state around the mixture's: ``seq_len`` and ``batch_size`` (a resumed
+    stream cannot change them), ``batches``, and the figures of :meth:`stats` a plain sum over
+    sources gets wrong.
 
+    The rows are copied into one ``[B, seq_len + 1]`` array and shifted into tensors once, by
+    the single-source loader's own :func:`~torchtitan_ext.text.pack_stage.to_batch`; at the end
+    of a finite mixture the missing rows are padding (ignored labels) as there, so every batch
+    has ``batch_size`` rows (the invariant of :mod:`~torchtitan_ext.text.row_batches`)."""
 
-class ParquetRowBatches(RowBatches):
-    """:class:`~torchtitan_ext.text.row_batches.RowBatches` (the stacking and the padded end,
-    shared with the streaming loader) with the Parquet loader's state around the mixture's:
-    ``seq_len`` and ``batch_size`` (a resumed stream cannot change them), ``batches``, and the
-    figures of :meth:`stats` a plain sum over sources gets wrong. ``upstream``: the
-    :class:`~torchtitan_ext.pipeline.mix.Mix` whose rows (one-row batches) are stacked."""
-
-    def __init__(self, upstream: Mix[Batch], *, seq_len: int, batch_size: int, pad_id: int):
-        super().__init__(Map(upstream, one_row), batch_size, pad_id)
-        self.mix, self.seq_len = upstream, seq_len
+    def __init__(self, upstream: Mix[PackedRow], *, seq_len: int, batch_size: int, pad_id: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.upstream = self.mix = upstream  # close / interrupt / join_threads pass on to it
+        self.seq_len, self.batch_size = seq_len, int(batch_size)
+        self.pad_id = int(pad_id)
         self.batches = 0
 
     def next(self) -> Batch:
-        out = super().next()
+        B, R = self.batch_size, self.seq_len + 1
+        tokens = np.empty((B, R), dtype=np.int64)
+        positions = np.empty((B, R), dtype=np.int64)
+        valid = [R] * B
+        for i in range(B):
+            try:
+                row = self.mix.next()
+            except StopIteration:
+                if i == 0:
+                    raise
+                pad_rows(tokens, positions, valid, i, self.pad_id)
+                break
+            tokens[i], positions[i], valid[i] = row.tokens, row.positions, row.valid
         self.batches += 1
-        return out
+        return to_batch(tokens, positions, valid)
 
     def state(self) -> State:
         return {
@@ -204,7 +227,7 @@ class MixedParquetLoader(PrefetchedLoader):
             )
         tok = TextTokenizer.coerce(tokenizer)
         self.sources: list[ParquetSource] = []
-        self.packs: list[PackedBatches] = []
+        self.packs: list[PackedRows] = []
         for spec, path in zip(self.specs, paths, strict=True):
             o = dataclasses.replace(
                 src_o,
@@ -217,7 +240,7 @@ class MixedParquetLoader(PrefetchedLoader):
                 read_delay_s=read_delay_s, name=spec.name,
             )  # fmt: skip
             self.sources.append(src)
-            self.packs.append(PackedBatches(src, tok, pack_o, seq_len=seq_len, batch_size=1))
+            self.packs.append(PackedRows(src, tok, pack_o, seq_len=seq_len))
         self.mix = Mix(self.packs, self.specs, seed=src_o.seed, stream=dp_rank, stop=stop)
         pad = self.packs[0].packer.pad_id
         self.rows = ParquetRowBatches(self.mix, seq_len=seq_len, batch_size=batch_size, pad_id=pad)
