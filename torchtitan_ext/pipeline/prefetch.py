@@ -134,6 +134,9 @@ KEEP_HANDED = 2
 and the one before), besides those queued: see "Freeing" in the module docstring."""
 
 
+_SCALARS = (int, float, str, bytes, bool, type(None))
+
+
 def host_arrays(value: Any) -> list[Any]:
     """The CPU tensors and numpy arrays in ``value`` (through nested tuples, lists and dicts)."""
     if isinstance(value, torch.Tensor):
@@ -142,8 +145,8 @@ def host_arrays(value: Any) -> list[Any]:
         return [value]
     if isinstance(value, dict):
         value = value.values()
-    elif not isinstance(value, (tuple, list)):
-        return []
+    elif not isinstance(value, (tuple, list)) or (value and isinstance(value[0], _SCALARS)):
+        return []  # (a list of numbers is not walked item by item)
     return [a for v in value for a in host_arrays(v)]
 
 

@@ -293,15 +293,9 @@ class PackedRows(PackedBatches):
     counters and resume are :class:`PackedBatches`' with ``batch_size = 1``: ``batches`` counts
     rows."""
 
-    def __init__(
-        self,
-        upstream: ParquetSource,
-        tokenizer: Any,
-        options: PackOptions | None = None,
-        *,
-        seq_len: int,
-    ) -> None:
-        super().__init__(upstream, tokenizer, options, seq_len=seq_len, batch_size=1)
+    def __init__(self, *args: Any, seq_len: int, **kwargs: Any) -> None:
+        """:class:`PackedBatches`' arguments but ``batch_size``, which is 1."""
+        super().__init__(*args, seq_len=seq_len, batch_size=1, **kwargs)
 
     def next(self) -> PackedRow:  # type: ignore[override]
         R = self.packer.row_len
