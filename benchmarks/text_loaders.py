@@ -40,7 +40,9 @@ interleaves the two loaders over the same rounds as part 1.
 
 Options (``--set key=value``): ``mb`` (40; quick 3), ``batches`` (200; quick 15), ``steps`` (300;
 quick 15), ``warmup`` (20; quick 3), ``delay_ms`` (50), ``workers1`` (1: also torchtitan with a
-worker process in the data-wait part; 0 to skip), ``wait_rounds`` (3; quick 1).
+worker process in the data-wait part; 0 to skip), ``wait_rounds`` (3; quick 1), ``wait_loaders``
+(all; names separated by ``;``, e.g. ``ours``: only those in the data-wait part, whose torchtitan
+rows take most of the run's hour on a slow machine).
 """
 
 from __future__ import annotations
@@ -336,6 +338,9 @@ def _wait_rows(args, corpus, tok, tok_dir, makers, n_batches, steps, warm, delay
         wait_makers["torchtitan 1 worker"] = lambda d: (
             lambda: _torchtitan_loader(corpus, tok_dir, 1, d)
         )
+    if only := args.extra.get("wait_loaders"):  # e.g. "ours;sync"
+        keep = {n.strip() for n in str(only).split(";")}
+        wait_makers = {n: mk for n, mk in wait_makers.items() if n in keep}
     cap_batches = max(5, n_batches // 4)
     steps_of: dict[str, float] = {}
     rows: list[Row] = []
@@ -372,7 +377,8 @@ def _wait_rows(args, corpus, tok, tok_dir, makers, n_batches, steps, warm, delay
                 r1.target, r1.met = "<= 0.1%", r1.value <= 0.1
                 r3.target, r3.met = "<= 0.1 ms", r3.value <= 0.1
             rows += [r1, r2, r3, r4]
-        compare(rows, f"wait share ours{storage}", f"wait share torchtitan{storage}")
+        if {"ours", "torchtitan"} <= wait_makers.keys():
+            compare(rows, f"wait share ours{storage}", f"wait share torchtitan{storage}")
 
     # -------- a CPU-bound training loop (matmuls on every core between next() calls, at 1/6 of
     # ours' capacity, so that a fair share of the CPUs is plenty for the loader): SCHED_IDLE
