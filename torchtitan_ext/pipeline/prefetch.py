@@ -61,15 +61,14 @@ Other duties, each in one place:
   ``state_after_error()`` where it defines one (the counts up to the error), else stays.
 * **End** — a finite upstream's ``StopIteration`` travels with the state at the end of the
   pass; ``next()`` raises ``StopIteration`` from then on, until ``reset``.
-* **Freeing** — the state the consumer moves past is handed back to the thread and freed
-  there (freeing a packer snapshot of ~1000 entries took ~35 us of the training loop). Likewise
-  the thread keeps a reference to each item's host arrays (CPU tensors, numpy arrays) until
-  :data:`KEEP_HANDED` later items were handed over, so the consumer dropping a batch frees no
-  memory on the training loop: torchtitan's loop drops the previous batch inside its timed
-  ``next()``, and on the 2-core VM, woken from a 20 ms step, freeing a batch of three
-  ``[8, 2048]`` tensors took 35-50 us there (3 us with warm caches). Costs host memory for
-  ``KEEP_HANDED`` more items; an item a consumer keeps longer is freed where it drops it. Not
-  done after ``then`` (staging recycles its own buffers).
+* **Freeing** — what the consumer lets go of is freed by the thread, not on the training loop:
+  the thread keeps each item's state and host arrays (CPU tensors, numpy arrays) until the
+  consumer is :data:`KEEP_HANDED` items further on, then drops them. Freeing a packer snapshot of
+  ~1000 entries took ~35 us of the training loop; on the 2-core VM, woken from a 20 ms step,
+  freeing a batch of three ``[8, 2048]`` tensors took 35-50 us there (3 us with warm caches),
+  and torchtitan's loop drops the previous batch inside its timed ``next()``. Costs host memory
+  for ``KEEP_HANDED`` more items; an item a consumer keeps longer is freed where it drops it.
+  Arrays are not kept after ``then`` (staging recycles its own buffers).
 * **Thread policy** — :mod:`~torchtitan_ext.pipeline.priority` (``thread_priority``): idle
   while the queue is full, normal when it runs low; the upstream's helper threads join the group.
 * **Shutdown** — ``close()``, ``with``, and a ``weakref.finalize`` (also at interpreter exit) set
@@ -130,8 +129,8 @@ class _End:
 
 
 KEEP_HANDED = 2
-"""Items handed to the consumer whose host arrays the thread still references (its current item
-and the one before), besides those queued: see "Freeing" in the module docstring."""
+"""Items handed to the consumer whose state and host arrays the thread still references (its
+current item and the one before), besides those queued: see "Freeing" in the module docstring."""
 
 
 _SCALARS = (int, float, str, bytes, bool, type(None))
@@ -175,15 +174,15 @@ class _Worker:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.busy_s = 0.0
-        self.retired: collections.deque = collections.deque()
-        self.held: collections.deque = collections.deque()  # host arrays of recent items
+        # (state, host arrays) of the items made recently, freed here once the consumer is
+        # KEEP_HANDED items past them (see "Freeing" in the module docstring)
+        self.held: collections.deque = collections.deque()
 
     def _run(self) -> None:
         self.priority.join_current_thread()
         up = self.upstream
         try:
             while not self.stop_event.is_set():
-                self.retired.clear()
                 t0 = time.perf_counter()
                 try:
                     value = up.next()
@@ -195,16 +194,15 @@ class _Worker:
                 st = up.state()
                 if self.then is not None:
                     value = self.then(value)
-                    arrays = None  # the item's memory is staging's, which recycles it
+                    arrays = ()  # the item's memory is staging's, which recycles it
                 else:
                     arrays = host_arrays(value)  # before the consumer can change the containers
                 self.busy_s += time.perf_counter() - t0
                 if not self.q.put(_Item(value, st), self.stop_event):
                     return
-                if arrays is not None:
-                    self.held.append(arrays)
-                    while len(self.held) > self.q.qsize() + KEEP_HANDED:
-                        self.held.popleft()  # the consumer has moved past it: freed here
+                self.held.append((st, arrays))
+                while len(self.held) > self.q.qsize() + KEEP_HANDED:
+                    self.held.popleft()  # the consumer has moved past it: freed here
         except BaseException as e:  # noqa: BLE001 - relayed to the consumer, which re-raises it
             self.q.put(_Failure(e, _state_after(up, e)), self.stop_event)
         finally:
@@ -335,7 +333,6 @@ class Prefetch(Stage[Any]):
                     raise RuntimeError(f"{self.name}: thread ended without a result") from None
         self._wait_s += time.perf_counter() - t0
         if isinstance(item, _Item):
-            w.retired.append(self._state)  # freed by the thread, not on the training loop
             self._state = item.state
             return item.value
         self._stop()
