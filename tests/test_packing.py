@@ -165,6 +165,38 @@ def test_state_round_trip_is_exact(seed, cut, mode, overlap):
     assert b.stats() == full.stats()
 
 
+@pytest.mark.parametrize("mode", ["best_fit", "zero_discard", "concat_split"])
+@pytest.mark.parametrize("big", [False, True])
+def test_int32_documents_stay_int32_and_ids_past_int32_still_resume(mode, big):
+    """Our tokenizer's documents are int32 and stay so in the buffer, its checkpoint and after a
+    resume (half the memory and copy); rows are int64 and equal to an int64 run's. A buffered
+    document with an id past 2**31 makes the compact checkpoint int64, and it resumes exactly."""
+    from torchtitan_ext.text import packer_state
+
+    docs = _docs(np.random.default_rng(3), 120)
+    feed = [d.astype(np.int32) for d in docs]
+    if big:
+        for i in range(52, 60):  # buffered at the cut (8 documents are)
+            feed[i] = feed[i].astype(np.int64)
+            feed[i][-1] = 2**40 + i  # its last token: still pending for concat-split too
+    kw = dict(buffer_docs=8, boundary_id=EOS if mode == "concat_split" else None)
+    want = _run(make_packer(mode, 32, BOS, **kw), docs if not big else feed)
+    a = make_packer(mode, 32, BOS, **kw)
+    got = _run(a, feed[:60], flush=False)
+    compact = packer_state.compact(packer_state.live(a))
+    assert compact["tokens"].dtype == (np.int64 if big else np.int32)
+    b = make_packer(mode, 32, BOS, **kw)
+    b.load_state_dict(compact)
+    if not big:
+        held = getattr(b, "_docs", None) or {i: x for i, x in enumerate(b._segs) if x is not None}
+        assert held and all(d.dtype == np.int32 for d in held.values())
+    got += _run(b, feed[60:])
+    assert all(r.tokens.dtype == np.int64 for r in got)
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        assert np.array_equal(x.tokens, y.tokens) and x.valid == y.valid
+
+
 def test_state_is_plain_data_and_checks_kind():
     p = BestFitPacker(16, BOS, buffer_docs=4)
     _run(p, _docs(np.random.default_rng(1), 20), flush=False)

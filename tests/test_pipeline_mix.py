@@ -176,6 +176,14 @@ def test_elastic_resume_loses_and_repeats_no_item():
             "weights of 'a', 'b' sum to 0",
         ),
         ([SourceSpec(name="a", path="x"), SourceSpec(name="a", path="y")], "used twice"),
+        (
+            [SourceSpec(name="a", path="d/x"), SourceSpec(name="b", path="./d//x")],
+            "source 'b': path = './d//x' is source 'a''s data too",
+        ),
+        (
+            [SourceSpec(name="a", dataset="hub/x"), SourceSpec(name="b", dataset="hub/x")],
+            "list it once and give it the summed weight",
+        ),
         ([SourceSpec(name="a")], "exactly one of 'path' and 'dataset'"),
         ([SourceSpec(name="a", path="x", max_epochs=0)], "max_epochs must be >= 1"),
         ([], "at least one source"),
@@ -185,6 +193,12 @@ def test_bad_mixtures_are_one_line_naming_the_source(bad, fragment):
     with pytest.raises(MixtureError) as e:
         check_sources(bad)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_one_path_read_two_ways_is_two_datasets():
+    """Another split or column of the same files is other data, not a repeat."""
+    check_sources([SourceSpec(name="a", path="x", split="train"), SourceSpec(name="b", path="x")])
+    check_sources([SourceSpec(name="a", path="x"), SourceSpec(name="b", path="x", text_column="t")])
 
 
 def test_a_checkpoint_of_another_mixture_names_what_was_added_and_removed():

@@ -75,6 +75,39 @@ def test_full_queue_refills_only_after_draining_to_the_low_watermark():
     assert [q.get(0.1) for _ in range(3)] == [2, 3, 4]
 
 
+def test_the_producer_measures_the_consumers_rate_from_its_gets_alone(monkeypatch):
+    """A get reads no clock: the producer turns the count of gets between its own puts into
+    the seconds per get that size its sleeps (a put with no get in between keeps the window
+    open; a step that took longer moves the estimate by a fifth)."""
+    from torchtitan_ext.pipeline import handoff
+
+    clock, reads = [100.0], [0]
+
+    def perf_counter() -> float:
+        reads[0] += 1
+        return clock[0]
+
+    monkeypatch.setattr(handoff.time, "perf_counter", perf_counter)
+    q = _ReadyQueue(64, FakePriority())
+    stop = threading.Event()
+    for i in range(30):  # a put, 10 ms, a get, 10 ms: one get per 20 ms
+        q.put(i, stop)
+        clock[0] += 0.01
+        before = reads[0]
+        q.get(0.1)
+        assert reads[0] == before, "the consumer's get read the clock"
+        clock[0] += 0.01
+    assert q._interval == pytest.approx(0.02, rel=1e-3)
+    q.put("a", stop)
+    clock[0] += 0.5  # a long step (a checkpoint, say); the producer puts without a get between
+    q.put("b", stop)
+    assert q._interval == pytest.approx(0.02, rel=1e-3)
+    q.get(0.1)
+    clock[0] += 0.02
+    q.put("c", stop)
+    assert q._interval == pytest.approx(0.8 * 0.02 + 0.2 * 0.52, rel=1e-3)
+
+
 def test_stop_ends_a_put_on_a_full_queue_with_no_consumer():
     q = _ReadyQueue(1, FakePriority())
     stop = threading.Event()

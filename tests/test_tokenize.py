@@ -34,6 +34,9 @@ def test_engines_agree_on_every_embedded_document(embedded):
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert np.array_equal(x, y), f"document {i} differs"
     assert a[0][0] == fast.bos_id and a[0][-1] == fast.eos_id
+    # int32 from both engines, with and without BOS/EOS (what the packers buffer and checkpoint)
+    no_ends = [fast.encode_arrays(docs[:3], add_bos=False), ref.encode_arrays(docs[:3], False)]
+    assert {x.dtype for x in a + b + no_ends[0] + no_ends[1]} == {np.dtype(np.int32)}
 
 
 def test_gpt2_tokenizer_uses_tiktoken_and_agrees():

@@ -203,7 +203,7 @@ class StreamingTextDataLoader(BaseDataLoader):
     # ------------------------------------------------------------------ checkpointing
     def rank_state(self) -> State:
         """This DP rank's state, ``{"workers": [slot state per worker], "next": k}`` (no
-        collective; ints, strs, lists and the packers' int64 arrays)."""
+        collective; ints, strs, lists and the packers' arrays)."""
         st = self.stage.state()
         return st if self.config.num_workers > 0 else {"workers": [st], "next": 0}
 

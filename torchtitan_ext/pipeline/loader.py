@@ -1,7 +1,7 @@
 """The iterator face of a loader whose chain is topped by a :class:`~.prefetch.Prefetch`.
 
 :class:`PrefetchedLoader` gives such a loader the calls a training loop and a checkpointer use —
-``next`` / ``iter``, ``done``, ``close`` (and ``with``), ``get_stats``, ``reset``, and
+``next`` / ``iter`` (whose iterator is :attr:`pipeline` itself), ``done``, ``close`` (and ``with``), ``get_stats``, ``reset``, and
 ``state_dict`` / ``load_state_dict`` (:meth:`rank_state`, encoded pickle-free by
 :mod:`~.checkpoint`) — each a call on :attr:`pipeline`. A loader builds its chain, sets
 ``self.pipeline`` and, when its checkpoint form differs from the live state (a packer made
@@ -24,7 +24,9 @@ class PrefetchedLoader:
     pipeline: Prefetch
 
     def __iter__(self) -> Iterator[Any]:
-        return self
+        # The Prefetch itself: a training loop's next() is then one call, not two (on a loop
+        # woken with cold caches each call costs microseconds; pipeline/prefetch.py, next()).
+        return self.pipeline
 
     def __next__(self) -> Any:
         return self.pipeline.next()

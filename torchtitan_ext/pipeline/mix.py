@@ -48,6 +48,7 @@ exactly when each of its sources does.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -117,11 +118,13 @@ class MixOptions:
 def check_sources(specs: Sequence[SourceSpec], where: str = "[[dataloader.sources]]") -> None:
     """Raise :class:`MixtureError` (one line naming the source) for a mixture that cannot be
     drawn from: no sources, a duplicate or empty name, a weight that is negative, NaN,
-    infinite or zero-sum, a ``max_epochs`` below 1, or neither/both of ``path`` and
-    ``dataset``."""
+    infinite or zero-sum, a ``max_epochs`` below 1, neither/both of ``path`` and ``dataset``,
+    or one dataset listed twice (same data, column, format and split: each listing would read
+    every document, so they would repeat within an epoch; a weight says how often instead)."""
     if not specs:
         raise MixtureError(f"{where}: a mixture needs at least one source")
     seen: set[str] = set()
+    data_of: dict[tuple, str] = {}
     for i, s in enumerate(specs):
         label = f"{where} source {s.name!r}" if s.name else f"{where} source #{i}"
         if not s.name:
@@ -136,6 +139,18 @@ def check_sources(specs: Sequence[SourceSpec], where: str = "[[dataloader.source
             raise MixtureError(f"{label}: max_epochs must be >= 1, got {s.max_epochs}")
         if (s.path is None) == (s.dataset is None):
             raise MixtureError(f"{label}: give exactly one of 'path' and 'dataset'")
+        data = (
+            os.path.abspath(s.path) if s.path is not None else None,
+            s.dataset, s.text_column, s.format, s.split,
+        )  # fmt: skip
+        if data in data_of:
+            what = f"path = {s.path!r}" if s.path is not None else f"dataset = {s.dataset!r}"
+            raise MixtureError(
+                f"{label}: {what} is source {data_of[data]!r}'s data too; a dataset listed "
+                "twice repeats its documents within an epoch: list it once and give it the "
+                "summed weight"
+            )
+        data_of[data] = s.name
     if sum(s.weight for s in specs) <= 0:
         names = ", ".join(repr(s.name) for s in specs)
         raise MixtureError(f"{where}: the weights of {names} sum to 0; at least one must be > 0")

@@ -62,8 +62,8 @@ Other duties, each in one place:
 * **End** — a finite upstream's ``StopIteration`` travels with the state at the end of the
   pass; ``next()`` raises ``StopIteration`` from then on, until ``reset``.
 * **Freeing** — what the consumer lets go of is freed by the thread, not on the training loop:
-  the thread keeps each item's state and host arrays (CPU tensors, numpy arrays) until the
-  consumer is :data:`KEEP_HANDED` items further on, then drops them. Freeing a packer snapshot of
+  the thread keeps each item (its value, state and host arrays: CPU tensors, numpy arrays)
+  until the consumer is :data:`KEEP_HANDED` items further on, then drops it. Freeing a packer snapshot of
   ~1000 entries took ~35 us of the training loop; on the 2-core VM, woken from a 20 ms step,
   freeing a batch of three ``[8, 2048]`` tensors took 35-50 us there (3 us with warm caches),
   and torchtitan's loop drops the previous batch inside its timed ``next()``. Costs host memory
@@ -117,10 +117,9 @@ class PrefetchOptions:
     never touched."""
 
 
-@dataclass
-class _Item:
-    value: Any
-    state: State
+# An item is queued as a plain ``(value, state)`` tuple (the ``next()`` fast path tells it apart
+# by ``type(item) is tuple``: cheaper on the training loop than an object with a ``__dict__``);
+# the end of a pass and an error travel as the two classes below.
 
 
 @dataclass
@@ -129,8 +128,8 @@ class _End:
 
 
 KEEP_HANDED = 2
-"""Items handed to the consumer whose state and host arrays the thread still references (its
-current item and the one before), besides those queued: see "Freeing" in the module docstring."""
+"""Items handed to the consumer that the thread still references (its current item and the one
+before), besides those queued: see "Freeing" in the module docstring."""
 
 
 _SCALARS = (int, float, str, bytes, bool, type(None))
@@ -174,7 +173,7 @@ class _Worker:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.busy_s = 0.0
-        # (state, host arrays) of the items made recently, freed here once the consumer is
+        # (item, host arrays) of the items made recently, freed here once the consumer is
         # KEEP_HANDED items past them (see "Freeing" in the module docstring)
         self.held: collections.deque = collections.deque()
 
@@ -193,14 +192,17 @@ class _Worker:
                     return  # the upstream may have ended early because of the stop
                 st = up.state()
                 if self.then is not None:
+                    # the item's memory is staging's, which recycles it: only the state is kept
                     value = self.then(value)
-                    arrays = ()  # the item's memory is staging's, which recycles it
+                    item, kept = (value, st), (st, ())
                 else:
-                    arrays = host_arrays(value)  # before the consumer can change the containers
+                    item = (value, st)
+                    # the arrays too, taken before the consumer can change the containers
+                    kept = (item, host_arrays(value))
                 self.busy_s += time.perf_counter() - t0
-                if not self.q.put(_Item(value, st), self.stop_event):
+                if not self.q.put(item, self.stop_event):
                     return
-                self.held.append((st, arrays))
+                self.held.append(kept)
                 while len(self.held) > self.q.qsize() + KEEP_HANDED:
                     self.held.popleft()  # the consumer has moved past it: freed here
         except BaseException as e:  # noqa: BLE001 - relayed to the consumer, which re-raises it
@@ -271,6 +273,7 @@ class Prefetch(Stage[Any]):
         self._done = False
         self._wait_s = 0.0
         self._ref: list[_Worker | None] = [None]
+        self._q: _ReadyQueue | None = None  # the running worker's queue (next()'s one lookup)
         self._finalizer = weakref.finalize(self, _shutdown, self._ref)
 
     # ------------------------------------------------------------------ thread control
@@ -283,12 +286,13 @@ class Prefetch(Stage[Any]):
                 self.upstream.reset(self._state)
             w = _Worker(self.upstream, self.then, self.queue_size, self.name, self.thread_priority)
             self.upstream.join_threads(w.priority)
-            self._ref[0] = w
+            self._ref[0], self._q = w, w.q
             self._upstream_at_state = False  # the thread moves it on from here
             w.thread.start()
         return w
 
     def _stop(self) -> None:
+        self._q = None
         _shutdown(self._ref)
 
     def start(self) -> None:
@@ -320,21 +324,44 @@ class Prefetch(Stage[Any]):
 
     # ------------------------------------------------------------------ contract
     def next(self) -> Any:
-        if self._done:
-            raise StopIteration
-        w = self._worker()
+        # The training loop's call, made with cold caches after each step, where every object
+        # touched costs: the common case is one attribute load, a deque pop and a tuple unpack;
+        # starting, waiting, the end and errors are off that path.
+        q = self._q
+        if q is None:
+            if self._done:
+                raise StopIteration
+            q = self._worker().q
+        item = q.get_nowait()
+        if item is None:
+            item = self._wait()
+        if type(item) is tuple:
+            value, self._state = item
+            return value
+        return self._finish(item)
+
+    __next__ = next
+
+    def _wait(self) -> Any:
+        """The queue was empty: wait for the thread's next item (timed: ``consumer_wait_ms``)."""
+        w = self._ref[0]
+        if w is None:  # stopped from another thread (a finalizer) since next() looked
+            raise RuntimeError(f"{self.name}: the stage was stopped while waiting")
         t0 = time.perf_counter()
-        while True:
-            try:
-                item = w.q.get(0.5)
-                break
-            except queue.Empty:
-                if not w.thread.is_alive():
-                    raise RuntimeError(f"{self.name}: thread ended without a result") from None
-        self._wait_s += time.perf_counter() - t0
-        if isinstance(item, _Item):
-            self._state = item.state
-            return item.value
+        try:
+            while True:
+                try:
+                    return w.q.wait(0.5)
+                except queue.Empty:
+                    if not w.thread.is_alive():
+                        msg = f"{self.name}: thread ended without a result"
+                        raise RuntimeError(msg) from None
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    def _finish(self, item: _End | _Failure) -> Any:
+        """The end of a finite pass (``StopIteration``) or the thread's error, re-raised."""
+        name = self._ref[0].thread.name if self._ref[0] is not None else self.name
         self._stop()
         if isinstance(item, _End):
             self._done = True
@@ -342,7 +369,7 @@ class Prefetch(Stage[Any]):
             raise StopIteration
         if item.state is not None:
             self._state = item.state
-        raise threads.relay(item.exc, f"the background thread {w.thread.name!r}", f"{self.name}")
+        raise threads.relay(item.exc, f"the background thread {name!r}", f"{self.name}")
 
     def state(self) -> State:
         return self._state
@@ -359,6 +386,7 @@ class Prefetch(Stage[Any]):
         running then (logged with where it is blocked). Closes the upstream too."""
         if self._finalizer.detach() is None:
             return True
+        self._q = None
         ok = _shutdown(self._ref, timeout)
         self.upstream.close()
         return ok

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_ext.text.packed_rows import PackedRow, RowCounters, as_doc, pct
+from torchtitan_ext.text.packed_rows import PackedRow, RowCounters, as_doc, pct, token_array
 
 
 class ConcatSplitPacker:
@@ -43,7 +43,7 @@ class ConcatSplitPacker:
         self.c.docs_in += 1
         self.c.tokens_in += int(arr.size)
         if self.boundary_id is not None:
-            arr = np.append(arr, np.int64(self.boundary_id))
+            arr = np.append(arr, np.asarray(self.boundary_id, dtype=arr.dtype))
             self.c.boundary_tokens += 1
         self._segs.append(arr)
         self._buffered_tokens += int(arr.size)
@@ -128,7 +128,7 @@ class ConcatSplitPacker:
                 f"this packer is kind=2 row_len={self.row_len}"
             )
         lengths = np.asarray(state["lengths"], dtype=np.int64)
-        flat = np.asarray(state["tokens"], dtype=np.int64)
+        flat = token_array(np.asarray(state["tokens"]))
         if int(lengths.sum()) != flat.size:
             raise ValueError(
                 f"packer state: lengths sum {int(lengths.sum())} != {flat.size} tokens"

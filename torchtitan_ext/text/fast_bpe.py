@@ -297,7 +297,7 @@ class TiktokenEngine:
         self.enc = tiktoken.Encoding(
             "torchtitan_ext", pat_str=proof.pattern, mergeable_ranks=ranks, special_tokens={}
         )
-        self.lut = np.asarray(proof.ids, dtype=np.int64)
+        self.lut = np.asarray(proof.ids, dtype=np.int32)  # ids as TextTokenizer returns them
 
     def encode(self, text: str) -> np.ndarray:
         return self.lut[np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)]

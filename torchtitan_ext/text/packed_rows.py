@@ -40,9 +40,19 @@ def row_to_example(row: PackedRow) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return inp, labels, row.positions[:-1]
 
 
+def token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``ids`` as a numpy array: an ``int32`` array as it is (no copy), anything else ``int64``."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32:
+        return ids
+    return np.asarray(ids, dtype=np.int64)
+
+
 def as_doc(doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """A document as int64 ids (1-D), or ValueError naming its shape."""
-    arr = np.asarray(doc_ids, dtype=np.int64)
+    """A document as 1-D token ids, or ValueError naming its shape. An ``int32`` array (what
+    :class:`~torchtitan_ext.text.tokenize.TextTokenizer` makes) is kept as it is, anything else
+    becomes ``int64``: packers buffer ~1000 documents, and a checkpoint copies them (``int32``
+    halves both; rows are ``int64`` either way)."""
+    arr = token_array(doc_ids)
     if arr.ndim != 1:
         raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
     return arr

@@ -5,7 +5,8 @@
   off the training loop; the previous producer's snapshot took ~9 us); the document arrays
   are shared with the packer, which never modifies them after insertion.
 * **Compact** (:func:`compact`) — what a checkpoint holds: the buffered documents concatenated
-  as ``int32`` (``int64`` only for ids past 2**31), their lengths (``int32``) and, for the
+  as ``int32`` (``int64`` only for ids past 2**31; documents from our tokenizer are ``int32``
+  already), their lengths (``int32``) and, for the
   best-fit packers, their insertion numbers (``int64``). Every rank's state is gathered at
   checkpoint time, so its size matters: about 4 bytes per buffered token + 12 per document —
   ~1.8 MB for 1000 documents of ~450 tokens (half the int64 size), ~0.1 MB for concat-split's
@@ -29,6 +30,7 @@ concat_split                  the whole pending run of one old rank (its segment
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -61,26 +63,37 @@ def live(packer: BestFitPacker | ConcatSplitPacker) -> dict[str, Any]:
 
 
 def _small(tokens: np.ndarray) -> np.ndarray:
+    if tokens.dtype == np.int32:  # every piece was int32 (our tokenizer's documents)
+        return tokens
     if tokens.size and (int(tokens.max()) > _I32.max or int(tokens.min()) < _I32.min):
         return tokens.astype(np.int64)
     return tokens.astype(np.int32)
 
 
 def compact(ps: dict[str, Any]) -> dict[str, Any]:
-    """The compact form of a live (or already compact) packer state."""
+    """The compact form of a live (or already compact) packer state.
+
+    Taken once per checkpoint, on the training loop, so it avoids per-document Python work:
+    the keys become one array, documents are looked up by C-level ``map``, and ``int32``
+    documents are concatenated without a range check (~0.3 ms for 1000 documents of ~330
+    tokens on the 2-core VM, against ~0.75 ms with per-key lookups and an ``int64`` pass)."""
     if "tokens" in ps:
         return ps
     out = {"kind": int(ps["kind"]), "row_len": int(ps["row_len"]), "counters": dict(ps["counters"])}
     if "docs" in ps:  # best-fit: the documents in key order (length, insertion number)
+        keys = ps["keys"]
+        flat_keys = np.fromiter(chain.from_iterable(keys), dtype=np.int64, count=2 * len(keys))
+        lengths, seqs = flat_keys[0::2], flat_keys[1::2]
         by_seq = dict(zip(ps["doc_seqs"], ps["docs"], strict=True))
-        pieces = [by_seq[int(s)] for _, s in ps["keys"]]
+        pieces = list(map(by_seq.__getitem__, seqs.tolist()))
+        out["lengths"] = lengths.astype(np.int32)
     else:
         pieces = ps["segs"]
-    out["lengths"] = np.array([x.size for x in pieces], dtype=np.int32)
-    out["tokens"] = _small(np.concatenate(pieces) if pieces else np.zeros(0, np.int64))
+        out["lengths"] = np.array([x.size for x in pieces], dtype=np.int32)
+    out["tokens"] = _small(np.concatenate(pieces) if pieces else np.zeros(0, np.int32))
     if "docs" in ps:
         out["next_seq"] = int(ps["next_seq"])
-        out["seqs"] = np.array([s for _, s in ps["keys"]], dtype=np.int64)
+        out["seqs"] = seqs.copy()
     return out
 
 

@@ -82,8 +82,9 @@ Packing cost (best-fit, 1000-document buffer, quietest tenth of 100-row samples 
 box): ~10 us per row to pop, ~17-21 us with feeding it, the same as cropping the shortest
 measured interleaved; a pure-Python linear scan over the same buffer takes ~250 us.
 
-State: ``state_dict()`` returns only ints and ``numpy`` int64 arrays (the buffered documents
-concatenated, their lengths and insertion numbers, the counters), never pickled objects; a loader
+State: ``state_dict()`` returns only ints and ``numpy`` arrays (the buffered documents
+concatenated, in their own dtype — ``int32`` from our tokenizer, else ``int64`` —, their lengths
+and insertion numbers, the counters), never pickled objects; a loader
 turns the arrays into lists of ints for its checkpoint. ``snapshot()`` is the cheap variant for a
 hot path (shallow copies, ~20 us for 1000 documents) and ``state_from_snapshot()`` converts it
 later. Rows after ``load_state_dict`` are bitwise identical to an uninterrupted run.
@@ -98,7 +99,14 @@ from typing import Any, Literal
 import numpy as np
 
 from torchtitan_ext.text.concat_split import ConcatSplitPacker
-from torchtitan_ext.text.packed_rows import PackedRow, RowCounters, as_doc, pct, row_to_example
+from torchtitan_ext.text.packed_rows import (
+    PackedRow,
+    RowCounters,
+    as_doc,
+    pct,
+    row_to_example,
+    token_array,
+)
 
 __all__ = ["BestFitPacker", "ConcatSplitPacker", "PackedRow", "make_packer", "row_to_example"]
 
@@ -249,7 +257,7 @@ class BestFitPacker:
             self.c.docs_cropped += 1
             if self.mode == "zero_discard":
                 # The tail becomes a new document with its own BOS: nothing is dropped.
-                tail = np.empty(n - remaining + 1, dtype=np.int64)
+                tail = np.empty(n - remaining + 1, dtype=doc.dtype)
                 tail[0] = self.bos_id
                 tail[1:] = doc[remaining:]
                 self.c.bos_inserted += 1
@@ -297,7 +305,7 @@ class BestFitPacker:
             )
         lengths = np.asarray(state["lengths"], dtype=np.int64)
         seqs = np.asarray(state["seqs"], dtype=np.int64)
-        flat = np.asarray(state["tokens"], dtype=np.int64)
+        flat = token_array(np.asarray(state["tokens"]))
         if int(lengths.sum()) != flat.size:
             raise ValueError(
                 f"packer state: lengths sum {int(lengths.sum())} != {flat.size} tokens"

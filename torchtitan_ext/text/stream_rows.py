@@ -7,7 +7,7 @@ it. Why it exists: ``doc_ids`` / ``doc_epochs`` / ``doc_offsets`` let the divers
 (``scripts/verify_data_diversity.py``) prove that no document is repeated or lost, and the
 track is small (a few ints per buffered document), so it is part of the checkpoint.
 
-The state here is ints, lists of ints and int64 arrays (no pickle; :func:`as_json` makes it
+The state here is ints, lists of ints and numpy arrays (no pickle; :func:`as_json` makes it
 JSON-serialisable, the checkpoint envelope stores arrays as little-endian bytes).
 """
 
@@ -62,8 +62,8 @@ def make_sample(
 
 
 def packer_state(packer: ConcatSplitPacker) -> dict[str, Any]:
-    """The packer's state: ints and two fresh int64 arrays (``lengths`` of the pending segments,
-    their ``tokens`` concatenated), never changed once returned. Cheap enough to take after
+    """The packer's state: ints and two fresh arrays (``lengths`` of the pending segments, int64;
+    their ``tokens`` concatenated, int32 from our tokenizer), never changed once returned. Cheap enough to take after
     every batch (one concatenate; lists of Python ints cost ~2 % of a 8 x 2048 batch)."""
     p = packer.state_dict()
     return {
@@ -91,7 +91,7 @@ def packer_from_state(packer: ConcatSplitPacker, pk: dict[str, Any]) -> None:
             "kind": pk["kind"],
             "row_len": pk["row_len"],
             "lengths": np.asarray(pk["lengths"], dtype=np.int64),
-            "tokens": np.asarray(pk["tokens"], dtype=np.int64),
+            "tokens": pk["tokens"],  # the packer keeps int32 arrays as they are
             "counters": pk["counters"],
         }
     )

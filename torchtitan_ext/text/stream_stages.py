@@ -20,7 +20,7 @@ module holds the source, :mod:`~torchtitan_ext.text.stream_pack` the second:
                     only that label-only token was emitted, see stream_elastic).
 ==================  ===========================================================================
 
-Invariant: a state is ints, strs, lists/dicts of them and the packer's two int64 arrays
+Invariant: a state is ints, strs, lists/dicts of them and the packer's two arrays
 (:func:`~torchtitan_ext.text.stream_rows.as_json` makes it JSON), taken right after an item; :meth:`Stage.reset` to it makes the following items bitwise
 the ones that followed it. The source signals the end of an epoch stream with one
 :data:`EPOCH_END` item before it rolls over, so that the packer packs what it holds first (the

@@ -208,23 +208,25 @@ class TextTokenizer:
     def encode_arrays(
         self, texts: list[str], add_bos: bool = True, add_eos: bool = False
     ) -> list[np.ndarray]:
-        """Encode ``texts`` to int64 arrays with BOS prefixed / EOS appended as asked (the
-        loaders' hot path: no Python lists of ints)."""
+        """Encode ``texts`` to ``int32`` arrays with BOS prefixed / EOS appended as asked (the
+        loaders' hot path: no Python lists of ints; ``int32``, half of ``int64``, because the
+        packers buffer ~1000 documents and a checkpoint copies them — an id past 2**31 raises
+        ``OverflowError``, and no vocabulary is that large)."""
         if add_bos and self.bos_id is None:
             raise ValueError(f"{self.source}: add_bos=True but the tokenizer has no BOS token")
         if add_eos and self.eos_id is None:
             raise ValueError(f"{self.source}: add_eos=True but the tokenizer has no EOS token")
         tt = self._tt
         if tt is None:
-            bodies = [np.asarray(ids, dtype=np.int64) for ids in self._hf_ids(texts)]
+            bodies = [np.asarray(ids, dtype=np.int32) for ids in self._hf_ids(texts)]
         else:
             bodies = [tt.encode(t) for t in texts]
             if self._verify_left > 0:
                 bodies = self._verify(texts, bodies)
         if not add_bos and not add_eos:
             return bodies
-        pre = np.asarray([self.bos_id] if add_bos else [], dtype=np.int64)
-        post = np.asarray([self.eos_id] if add_eos else [], dtype=np.int64)
+        pre = np.asarray([self.bos_id] if add_bos else [], dtype=np.int32)
+        post = np.asarray([self.eos_id] if add_eos else [], dtype=np.int32)
         return [np.concatenate((pre, b, post)) for b in bodies]
 
     def _verify(self, texts: list[str], bodies: list[np.ndarray]) -> list[np.ndarray]:
@@ -242,7 +244,7 @@ class TextTokenizer:
                 )
                 self._tt = None
                 self.engine_reason = "switched to tokenizers after a verification mismatch"
-                return [np.asarray(ids, dtype=np.int64) for ids in self._hf_ids(texts)]
+                return [np.asarray(ids, dtype=np.int32) for ids in self._hf_ids(texts)]
         return bodies
 
     def encode_batch(
