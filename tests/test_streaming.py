@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -479,3 +481,24 @@ def test_offset_counts_only_the_shards_it_needs(tmp_path, tokenizer):
     x, _ = next(iter(ds))
     assert x["input"][:3].tolist() == tokenizer.encode(docs[25], add_bos=False)[:3]
     assert ds.num_documents() == 55
+
+
+def test_a_script_that_ends_mid_stream_exits_quietly():
+    """Training scripts end mid-stream. The datasets reader still open then is closed at exit,
+    before interpreter teardown, where its cleanup used to print "Exception ignored in:
+    <generator object Parquet._generate_tables ...> AttributeError: ... 'ArrowInvalid'"."""
+    script = (
+        "from torchtitan_ext.data.embedded import ensure_embedded_data\n"
+        "from torchtitan_ext.text.streaming import StreamingTextDataset\n"
+        "from torchtitan_ext.text.tokenize import TextTokenizer\n"
+        "emb = ensure_embedded_data()\n"
+        "tok = TextTokenizer.from_path(str(emb / 'tokenizer'))\n"
+        "it = iter(StreamingTextDataset(str(emb), tok, 256, shuffle_buffer=64))\n"
+        "for _ in range(40):\n"
+        "    next(it)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

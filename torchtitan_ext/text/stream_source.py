@@ -9,8 +9,10 @@ where one is known) before anything expensive is built.
 
 from __future__ import annotations
 
+import atexit
 import glob as _glob
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,23 @@ EXT_BUILDER = {
 """File suffix -> the ``datasets`` packaged builder that reads it."""
 
 READ_BATCH = 256  # rows per datasets batch read
+
+# The datasets readers still open (a script usually ends mid-stream). They are closed at exit,
+# while modules are intact: left to interpreter teardown, a reader's cleanup prints
+# "Exception ignored in: <generator object Parquet._generate_tables ...> AttributeError:
+# 'NoneType' object has no attribute 'ArrowInvalid'" (datasets' module globals already None).
+_OPEN_READERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_readers() -> None:
+    for it in list(_OPEN_READERS):
+        try:
+            it.close()
+        except Exception:  # noqa: BLE001, S110 - at exit, a reader that cannot close is moot
+            pass
+
+
 MISSING = object()  # the text column is absent from a record
 
 
@@ -169,6 +188,7 @@ def piece_rows(
     sub = ds.shard(num_shards=n_shards, index=piece.shard, contiguous=True)
     row = 0
     it = sub.iter(batch_size=READ_BATCH)
+    _OPEN_READERS.add(it)
     while piece.hi is None or row < piece.hi:
         try:
             batch = next(it)
