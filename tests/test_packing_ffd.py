@@ -77,7 +77,7 @@ def test_each_row_loses_no_more_than_cropping_the_shortest(lengths):
     ours = shortest = 0
     for _ in range(1500):
         _feed(p, it, zeros)
-        before = _shortest_rule_crop([n for n, _ in p._keys])
+        before = _shortest_rule_crop([n for n, *_ in p._keys])
         finishing = p._keys[-1][0] <= R  # not a row opened by an over-long document
         c0 = p.c.tokens_cropped
         p.pop_row()

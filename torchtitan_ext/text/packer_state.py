@@ -1,16 +1,18 @@
 """The packer's part of the Parquet loader's state, in two forms, and its re-deal to other ranks.
 
-* **Live** (:func:`live`) — what the tokenize + pack stage's ``state()`` holds after every batch:
-  shallow (~28 us for 1000 buffered documents, measured on the 2-core VM, in the loader's thread,
-  off the training loop; the previous producer's snapshot took ~9 us); the document arrays
-  are shared with the packer, which never modifies them after insertion.
-* **Compact** (:func:`compact`) — what a checkpoint holds: the buffered documents concatenated
-  as ``int32`` (``int64`` only for ids past 2**31; documents from our tokenizer are ``int32``
-  already), their lengths (``int32``) and, for the
-  best-fit packers, their insertion numbers (``int64``). Every rank's state is gathered at
-  checkpoint time, so its size matters: about 4 bytes per buffered token + 12 per document —
-  ~1.8 MB for 1000 documents of ~450 tokens (half the int64 size), ~0.1 MB for concat-split's
-  short pending run.
+* **Live** (:func:`live`) — what the tokenize + pack stage's ``state()`` holds after every batch,
+  taken on the loader's thread, off the training loop. For the best-fit packers it is their
+  ``state_dict()``, compact already (:mod:`torchtitan_ext.text.doc_arena`: no per-document
+  work, ~15-20 us); for concat-split its few pending segments (arrays the packer never
+  modifies, shared).
+* **Compact** (:func:`compact`) — what a checkpoint holds: ``int32`` tokens (``int64`` only for
+  ids past 2**31; documents from our tokenizer are ``int32`` already) and the documents'
+  lengths (``int32``); for the best-fit packers also their insertion numbers and offsets
+  (``int64``) into ``tokens``, a part of the arena that keeps the holes taken documents left in
+  it. Every rank's state is gathered at checkpoint time, so its size matters: about 4 bytes per
+  buffered token (x ~1.2 for the holes on the benchmark corpus, never over 2x + 128 tokens per
+  document) + 20 bytes per document — ~1.0 MB for the benchmark's 1000 documents of ~220
+  tokens, ~0.1 MB for concat-split's short pending run.
 
 :meth:`~torchtitan_ext.text.packing.BestFitPacker.load_state_dict` takes either, after
 :func:`compact`. For a resume at another DP degree, :func:`items` lists what a rank holds and
@@ -30,11 +32,11 @@ concat_split                  the whole pending run of one old rank (its segment
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any
 
 import numpy as np
 
+from torchtitan_ext.text.doc_arena import layout
 from torchtitan_ext.text.packing import BestFitPacker, ConcatSplitPacker
 
 _I32 = np.iinfo(np.int32)
@@ -44,16 +46,7 @@ def live(packer: BestFitPacker | ConcatSplitPacker) -> dict[str, Any]:
     """A shallow, immutable capture of ``packer`` (a tree of ints, lists and arrays)."""
     snap = packer.snapshot()
     if isinstance(packer, BestFitPacker):
-        docs = snap["docs"]  # by insertion number, in insertion order (C-speed copies)
-        return {
-            "kind": 0 if packer.mode == "crop" else 1,
-            "row_len": packer.row_len,
-            "next_seq": snap["next_seq"],
-            "keys": snap["keys"],
-            "doc_seqs": list(docs),
-            "docs": list(docs.values()),
-            "counters": snap["counters"],
-        }
+        return snap  # already the compact form: see torchtitan_ext.text.doc_arena
     return {
         "kind": 2,
         "row_len": packer.row_len,
@@ -73,42 +66,26 @@ def _small(tokens: np.ndarray) -> np.ndarray:
 def compact(ps: dict[str, Any]) -> dict[str, Any]:
     """The compact form of a live (or already compact) packer state.
 
-    Taken once per checkpoint, on the training loop, so it avoids per-document Python work:
-    the keys become one array, documents are looked up by C-level ``map``, and ``int32``
-    documents are concatenated without a range check (~0.3 ms for 1000 documents of ~330
-    tokens on the 2-core VM, against ~0.75 ms with per-key lookups and an ``int64`` pass)."""
-    if "tokens" in ps:
+    Taken once per checkpoint, on the training loop, so it does no per-document work: the
+    best-fit packers' live form is compact already, and concat-split's takes one concatenation
+    of its few pending segments."""
+    if "segs" not in ps:
         return ps
-    out = {"kind": int(ps["kind"]), "row_len": int(ps["row_len"]), "counters": dict(ps["counters"])}
-    if "docs" in ps:  # best-fit: the documents in key order (length, insertion number)
-        keys = ps["keys"]
-        flat_keys = np.fromiter(chain.from_iterable(keys), dtype=np.int64, count=2 * len(keys))
-        lengths, seqs = flat_keys[0::2], flat_keys[1::2]
-        by_seq = dict(zip(ps["doc_seqs"], ps["docs"], strict=True))
-        pieces = list(map(by_seq.__getitem__, seqs.tolist()))
-        out["lengths"] = lengths.astype(np.int32)
-    else:
-        pieces = ps["segs"]
-        out["lengths"] = np.array([x.size for x in pieces], dtype=np.int32)
-    out["tokens"] = _small(np.concatenate(pieces) if pieces else np.zeros(0, np.int32))
-    if "docs" in ps:
-        out["next_seq"] = int(ps["next_seq"])
-        out["seqs"] = seqs.copy()
-    return out
-
-
-def _split(ps: dict[str, Any]) -> list[np.ndarray]:
-    lengths = np.asarray(ps["lengths"], dtype=np.int64)
-    tokens = np.asarray(ps["tokens"], dtype=np.int64)
-    if int(lengths.sum()) != tokens.size:
-        raise ValueError(f"packer state: lengths sum {int(lengths.sum())} != {tokens.size} tokens")
-    return np.split(tokens, np.cumsum(lengths)[:-1]) if lengths.size else []
+    pieces = ps["segs"]
+    return {
+        "kind": int(ps["kind"]),
+        "row_len": int(ps["row_len"]),
+        "counters": dict(ps["counters"]),
+        "lengths": np.array([x.size for x in pieces], dtype=np.int32),
+        "tokens": _small(np.concatenate(pieces) if pieces else np.zeros(0, np.int32)),
+    }
 
 
 def items(ps: dict[str, Any]) -> list[Any]:
     """What a rank's packer holds, as items to re-deal (see the module docstring's table)."""
     ps = compact(ps)
-    pieces = _split(ps)
+    lengths, offsets, tokens = layout(ps)
+    pieces = [tokens[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)]
     if int(ps["kind"]) == 2:
         return [pieces] if pieces else []
     seqs = [int(s) for s in np.asarray(ps["seqs"])]
@@ -122,11 +99,10 @@ def from_items(
     out: dict[str, Any] = {"kind": kind, "row_len": row_len, "counters": dict(counters)}
     if kind == 2:
         pieces = [seg for run in held for seg in run]
-    else:  # insertion numbers 0..k-1 in the dealt order; keys sorted by (length, seq)
-        order = sorted(range(len(held)), key=lambda i: (held[i].size, i))
-        pieces = [held[i] for i in order]
+    else:  # insertion numbers 0..k-1 in the dealt order
+        pieces = list(held)
         out["next_seq"] = len(held)
-        out["seqs"] = np.array(order, dtype=np.int64)
+        out["seqs"] = np.arange(len(held), dtype=np.int64)
     out["lengths"] = np.array([x.size for x in pieces], dtype=np.int32)
     out["tokens"] = _small(np.concatenate(pieces) if pieces else np.zeros(0, np.int64))
     return out
