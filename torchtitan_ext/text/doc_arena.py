@@ -160,21 +160,23 @@ class DocArena:
         live = int(lens.sum())
         room = live + extra + (live + extra) // 4 + ROOM_PER_DOC * int(slots.size)
         new = np.empty(max(self._min, room), dtype=np.int64 if wide else np.int32)
-        new[:live] = _gather(self.tokens, offs, lens)
+        _gather(self.tokens, offs, lens, out=new[:live])
         offs_all[slots] = np.cumsum(lens) - lens
         self.tokens, self.end, self._cap, self._wide = new, live, new.size, wide
 
 
-def _gather(tokens: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """The documents at ``offs`` / ``lens`` (in ascending ``offs``) of ``tokens``, back to back:
-    one concatenation of the runs of adjacent documents (a run per hole, not per document)."""
+def _gather(
+    tokens: np.ndarray, offs: np.ndarray, lens: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The documents at ``offs`` / ``lens`` (in ascending ``offs``) of ``tokens``, back to back
+    (into ``out`` if given, of their total length): one concatenation of the runs of adjacent
+    documents (a run per hole, not per document)."""
     if not offs.size:
-        return tokens[:0]
+        return tokens[:0] if out is None else out
     starts = np.flatnonzero(offs[1:] != offs[:-1] + lens[:-1]) + 1
     starts = np.concatenate(([0], starts))
-    run_offs = offs[starts].tolist()
-    run_lens = np.add.reduceat(lens, starts).tolist()
-    return np.concatenate([tokens[o : o + n] for o, n in zip(run_offs, run_lens, strict=True)])
+    runs = zip(offs[starts].tolist(), np.add.reduceat(lens, starts).tolist(), strict=True)
+    return np.concatenate([tokens[o : o + n] for o, n in runs], out=out)
 
 
 def layout(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
