@@ -212,7 +212,8 @@ def time_ours(lengths: np.ndarray, mode: str, rows: int, buffer: int) -> Callabl
     warm-up of ``buffer`` documents; one call = one sample."""
 
     def go() -> float:
-        zeros = np.zeros(int(lengths.max()) + 1, dtype=np.int64)
+        # int32, as our tokenizer's documents are (an int64 one is range-checked on the way in)
+        zeros = np.zeros(int(lengths.max()) + 1, dtype=np.int32)
         src = stream(lengths)
         p = BestFitPacker(T, 0, mode=mode, buffer_docs=buffer)
         tok_buf = np.empty(R, dtype=np.int64)

@@ -78,9 +78,10 @@ On the benchmark's min-length corpus (lognormal lengths, none under 64 tokens, 1
 beyond a row) best-fit crops 14.4 % against the FFD bound's 13.8 % (17.6 % cropping the
 shortest).
 
-Packing cost (best-fit, 1000-document buffer, quietest tenth of 100-row samples on the shared
-box): ~10 us per row to pop, ~17-21 us with feeding it, the same as cropping the shortest
-measured interleaved; a pure-Python linear scan over the same buffer takes ~250 us.
+Packing cost (best-fit, 1000-document buffer, ``int32`` documents, feeding included; ``python -m
+benchmarks packing``, RESULTS.md): ~18-23 us per 2049-token row, of which ~7 us is copying each
+document into the arena and re-laying it out (A/B on the benchmark corpus's tokenized documents:
+12.4 -> 19.1 us); a pure-Python linear scan over the same buffer takes ~140 us.
 
 State: ``state_dict()`` returns only ints and ``numpy`` arrays, never pickled objects: the
 counters, and the buffered documents' lengths, insertion numbers and offsets into ``tokens``,
