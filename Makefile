@@ -58,18 +58,20 @@ clean-demo:
 	rm -rf outputs/llama3_debug_cpu outputs/qwen3_vl_tiny_cpu
 
 # The suite runs in a random order (pytest-randomly; the header prints the seed, rerun one with
-# PYTEST_ARGS=--randomly-seed=N, file order with PYTEST_ARGS="-p no:randomly"), with HOME set
-# to an empty directory that must still be empty afterwards (the suite keeps its caches in its
-# own temporary directory: tests/conftest.py).
+# PYTEST_ARGS="-n 0 --randomly-seed=N", file order with PYTEST_ARGS="-n 0 -p no:randomly"), in
+# TEST_WORKERS processes (pytest-xdist; 0: this one process), with HOME set to an empty
+# directory that must still be empty afterwards (the suite keeps its caches in its own temporary
+# directory: tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) scripts/check_home_untouched.py -- $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) scripts/check_home_untouched.py -- $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Each test alone, in a fresh process (catches tests that pass only after another one).
 test-alone: setup
 	$(PY) scripts/run_tests_alone.py $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not integration" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check torchtitan_ext scripts benchmarks tests

@@ -54,7 +54,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if isinstance(seed, int):
             terminalreporter.write_line(
                 f"random test order: --randomly-seed={seed} repeats it "
-                f"(make test PYTEST_ARGS=--randomly-seed={seed}); -p no:randomly for file order"
+                f'(make test PYTEST_ARGS="-n 0 --randomly-seed={seed}": the same order in one '
+                "process); -p no:randomly for file order"
             )
 
 

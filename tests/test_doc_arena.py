@@ -99,9 +99,22 @@ def test_a_checkpoint_without_offsets_reads_as_documents_back_to_back():
         (lambda s: s.update(lengths=np.zeros_like(s["lengths"])), "empty"),
         (lambda s: s.update(seqs=s["seqs"][:-1]), "seqs for"),
         (lambda s: (s.pop("offsets"), s.update(tokens=s["tokens"][:-1])), "lengths sum"),
+        # a sum past int64 must not wrap around into range
+        (lambda s: s.update(lengths=np.full(s["lengths"].size, 2**62),
+                            offsets=np.full(s["offsets"].size, 2**62)), "outside"),
+        (lambda s: s.update(tokens=s["tokens"].reshape(1, -1)), "1-D"),
+        (lambda s: s.update(tokens=s["tokens"].astype(np.float64) + 0.5), "integers"),
+        (lambda s: s.update(tokens=s["tokens"] > 0), "integers"),
+        (lambda s: s.update(tokens=s["tokens"].astype(np.uint64) + np.uint64(2**63)), "past int64"),
+        (lambda s: s.update(lengths=s["lengths"].astype(np.float64)), "integers"),
+        (lambda s: s.update(seqs=s["seqs"] * 0), "repeat"),
+        (lambda s: s.update(next_seq=0), "next_seq"),
+        (lambda s: s.update(kind=0.7), "kind must be an integer"),
     ],
-)
+)  # fmt: skip
 def test_a_damaged_packer_checkpoint_is_refused_in_one_line(change, message):
+    """Never cast or wrapped into something that loads: floats, bools, 2-D arrays, ids past
+    int64, offsets whose sum overflows, repeated insertion numbers are named in one line."""
     p = BestFitPacker(16, BOS, buffer_docs=8)
     for i in range(40):
         p.add(np.array([BOS] + [1] * (i % 7 + 1), dtype=np.int32))

@@ -180,12 +180,29 @@ def _gather(
     return np.concatenate([tokens[o : o + n] for o, n in runs], out=out)
 
 
+def int_array(value: Any, name: str) -> np.ndarray:
+    """``value`` (an array or a list) as a 1-D array of integers in its own integer dtype, or a
+    one-line ValueError naming ``name``: floats, bools, more dimensions and ids past int64 are
+    refused, never cast (a cast would change the ids silently)."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"packer state: {name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"packer state: {name} must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"packer state: {name} holds a value past int64")
+    return arr
+
+
 def layout(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(lengths, offsets, tokens)`` of a checkpoint form (int64, int64, the tokens' own int32
-    or int64), checked: every document non-empty and inside ``tokens``, or ValueError saying
-    which is not. Without ``offsets`` the documents lie back to back and must fill ``tokens``."""
-    lengths = np.asarray(state["lengths"], dtype=np.int64).reshape(-1)
-    tokens = np.asarray(state["tokens"])
+    or int64), checked: integers (:func:`int_array`), every document non-empty and inside
+    ``tokens``, or ValueError saying which is not. Without ``offsets`` the documents lie back to
+    back and must fill ``tokens``."""
+    lengths = int_array(state["lengths"], "lengths").astype(np.int64, copy=False)
+    tokens = int_array(state["tokens"], "tokens")
     tokens = tokens if tokens.dtype == np.int32 else tokens.astype(np.int64)
     if state.get("offsets") is None:
         if int(lengths.sum()) != tokens.size:
@@ -194,16 +211,17 @@ def layout(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             )
         offsets = np.cumsum(lengths) - lengths
     else:
-        offsets = np.asarray(state["offsets"], dtype=np.int64).reshape(-1)
+        offsets = int_array(state["offsets"], "offsets").astype(np.int64, copy=False)
         if offsets.size != lengths.size:
             raise ValueError(
                 f"packer state: {offsets.size} offsets for {lengths.size} document lengths"
             )
+    n = tokens.size
     if lengths.size and (
         int(lengths.min()) < 1 or int(offsets.min()) < 0
-        or int((offsets + lengths).max()) > tokens.size
+        # each term <= n first, so that their sum cannot wrap around
+        or int(lengths.max()) > n or int(offsets.max()) > n
+        or int((offsets + lengths).max()) > n
     ):  # fmt: skip
-        raise ValueError(
-            f"packer state: a document lies outside its {tokens.size} tokens or is empty"
-        )
+        raise ValueError(f"packer state: a document lies outside its {n} tokens or is empty")
     return lengths, offsets, tokens

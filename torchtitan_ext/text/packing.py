@@ -94,6 +94,7 @@ documents lie back to back without offsets (those of earlier releases).
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_right, insort
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -101,7 +102,7 @@ from typing import Any, Literal
 import numpy as np
 
 from torchtitan_ext.text.concat_split import ConcatSplitPacker
-from torchtitan_ext.text.doc_arena import DocArena, layout
+from torchtitan_ext.text.doc_arena import DocArena, int_array, layout
 from torchtitan_ext.text.packed_rows import (
     PackedRow,
     RowCounters,
@@ -285,16 +286,22 @@ class BestFitPacker:
     snapshot = state_dict
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a :meth:`state_dict` (or an earlier release's: no ``offsets``); a state
+        of another kind or row length, or a damaged one, is refused in one line (ValueError)."""
         kind = 0 if self.mode == "crop" else 1
-        if int(state["kind"]) != kind or int(state["row_len"]) != self.row_len:
+        got_kind, row_len = _whole(state, "kind"), _whole(state, "row_len")
+        if got_kind != kind or row_len != self.row_len:
             raise ValueError(
-                f"packer state is for kind={int(state['kind'])} row_len={int(state['row_len'])}, "
+                f"packer state is for kind={got_kind} row_len={row_len}, "
                 f"this packer is kind={kind} row_len={self.row_len}"
             )
         lengths, offsets, tokens = layout(state)
-        seqs = np.asarray(state["seqs"], dtype=np.int64).reshape(-1)
+        seqs = int_array(state["seqs"], "seqs").astype(np.int64, copy=False)
+        next_seq = _whole(state, "next_seq")
         if seqs.size != lengths.size:
             raise ValueError(f"packer state: {seqs.size} seqs for {lengths.size} documents")
+        if seqs.size and (np.unique(seqs).size != seqs.size or int(seqs.max()) >= next_seq):
+            raise ValueError(f"packer state: insertion numbers repeat or reach next_seq={next_seq}")
         self._arena = DocArena.holding(tokens, lengths, seqs, offsets, 4 * self.row_len)
         self._keys = sorted(zip(lengths.tolist(), seqs.tolist(), range(lengths.size), strict=True))
         self._buffered_tokens = int(lengths.sum())
@@ -302,7 +309,7 @@ class BestFitPacker:
         for n in lengths.tolist():
             if n < self.row_len:
                 self._len_count[n] += 1
-        self._next_seq = int(state["next_seq"])
+        self._next_seq = next_seq
         self.c.load(state["counters"])
 
     def stats(self) -> dict[str, float]:
@@ -314,6 +321,14 @@ class BestFitPacker:
             "crop_pct": pct(c.tokens_cropped, c.tokens_in),
             "fill_pct": pct(c.tokens_out, c.rows * self.row_len),
         }
+
+
+def _whole(state: dict[str, Any], key: str) -> int:
+    """``state[key]`` as an int, or a one-line ValueError if it is not a whole number."""
+    try:
+        return operator.index(state[key])
+    except TypeError:
+        raise ValueError(f"packer state: {key} must be an integer, got {state[key]!r}") from None
 
 
 PackingMode = Literal["best_fit", "zero_discard", "concat_split"]
