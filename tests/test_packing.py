@@ -209,6 +209,30 @@ def test_state_is_plain_data_and_checks_kind():
         BestFitPacker(17, BOS).load_state_dict(sd)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s.update(lengths=s["lengths"].astype(np.float64)), "integers"),
+        (lambda s: s.update(tokens=s["tokens"].astype(np.float64) + 0.5), "integers"),
+        (lambda s: s.update(tokens=s["tokens"].reshape(1, -1)), "1-D"),
+        # the sum still matches: only the check of each length catches it
+        (lambda s: s.update(lengths=np.concatenate([s["lengths"], [5, -5]])), "negative"),
+        (lambda s: s.update(tokens=s["tokens"][:-1]), "lengths sum"),
+        (lambda s: s.update(row_len=str(s["row_len"])), "row_len must be an integer"),
+    ],
+)
+def test_a_damaged_concat_split_state_is_refused_in_one_line(change, message):
+    """Never cast into something that loads: floats, 2-D arrays, negative lengths, strings."""
+    p = ConcatSplitPacker(seq_len=16, boundary_id=EOS)
+    _run(p, _docs(np.random.default_rng(4), 7), flush=False)
+    state = p.state_dict()
+    assert state["lengths"].size, "the test needs pending segments"
+    change(state)
+    with pytest.raises(ValueError, match=message) as e:
+        ConcatSplitPacker(seq_len=16, boundary_id=EOS).load_state_dict(state)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_concat_split_is_the_concatenation(overlap):
     docs = _docs(np.random.default_rng(2), 200)

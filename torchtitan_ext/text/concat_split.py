@@ -8,7 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_ext.text.packed_rows import PackedRow, RowCounters, as_doc, pct, token_array
+from torchtitan_ext.text.packed_rows import (
+    PackedRow,
+    RowCounters,
+    as_doc,
+    int_array,
+    pct,
+    token_array,
+    whole,
+)
 
 
 class ConcatSplitPacker:
@@ -122,22 +130,28 @@ class ConcatSplitPacker:
         return self.state_from_snapshot(self.snapshot())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["kind"]) != 2 or int(state["row_len"]) != self.row_len:
+        """Resume from a :meth:`state_dict`; a state of another kind or row length, or a damaged
+        one (not integers, negative lengths, lengths not summing to the tokens), is refused in
+        one line (ValueError)."""
+        kind, row_len = whole(state, "kind"), whole(state, "row_len")
+        if kind != 2 or row_len != self.row_len:
             raise ValueError(
-                f"packer state is for kind={int(state['kind'])} row_len={int(state['row_len'])}, "
+                f"packer state is for kind={kind} row_len={row_len}, "
                 f"this packer is kind=2 row_len={self.row_len}"
             )
-        lengths = np.asarray(state["lengths"], dtype=np.int64)
-        flat = token_array(np.asarray(state["tokens"]))
+        lengths = int_array(state["lengths"], "lengths").astype(np.int64, copy=False)
+        flat = token_array(int_array(state["tokens"], "tokens"))
+        if lengths.size and int(lengths.min()) < 0:
+            raise ValueError("packer state: a segment length is negative")
         if int(lengths.sum()) != flat.size:
             raise ValueError(
                 f"packer state: lengths sum {int(lengths.sum())} != {flat.size} tokens"
             )
         self._segs = []
         off = 0
-        for n in lengths:
-            self._segs.append(flat[off : off + int(n)].copy())
-            off += int(n)
+        for n in lengths.tolist():
+            self._segs.append(flat[off : off + n].copy())
+            off += n
         self._head = 0
         self._buffered_tokens = int(flat.size)
         self.c.load(state["counters"])

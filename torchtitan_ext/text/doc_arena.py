@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_ext.text.packed_rows import int_array
+
 _I32 = np.iinfo(np.int32)
 _INT32 = np.dtype(np.int32)
 ROOM_PER_DOC = 64
@@ -180,25 +182,9 @@ def _gather(
     return np.concatenate([tokens[o : o + n] for o, n in runs], out=out)
 
 
-def int_array(value: Any, name: str) -> np.ndarray:
-    """``value`` (an array or a list) as a 1-D array of integers in its own integer dtype, or a
-    one-line ValueError naming ``name``: floats, bools, more dimensions and ids past int64 are
-    refused, never cast (a cast would change the ids silently)."""
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise ValueError(f"packer state: {name} must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"packer state: {name} must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"packer state: {name} holds a value past int64")
-    return arr
-
-
 def layout(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(lengths, offsets, tokens)`` of a checkpoint form (int64, int64, the tokens' own int32
-    or int64), checked: integers (:func:`int_array`), every document non-empty and inside
+    or int64), checked: integers (``packed_rows.int_array``), every document non-empty and inside
     ``tokens``, or ValueError saying which is not. Without ``offsets`` the documents lie back to
     back and must fill ``tokens``."""
     lengths = int_array(state["lengths"], "lengths").astype(np.int64, copy=False)

@@ -4,6 +4,7 @@ the packers, ``text/concat_split.py`` the plain one)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,31 @@ def as_doc(doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
     return arr
+
+
+def int_array(value: Any, name: str) -> np.ndarray:
+    """A packer state's ``value`` (an array or a list) as a 1-D array of integers in its own
+    integer dtype, or a one-line ValueError naming ``name``: floats, bools, more dimensions and
+    ids past int64 are refused, never cast (a cast would change the ids silently)."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"packer state: {name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"packer state: {name} must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"packer state: {name} holds a value past int64")
+    return arr
+
+
+def whole(state: dict[str, Any], key: str) -> int:
+    """A packer state's ``state[key]`` as an int, or a one-line ValueError if it is not a whole
+    number (``0.7`` or ``"17"`` is refused, not rounded or parsed)."""
+    try:
+        return operator.index(state[key])
+    except TypeError:
+        raise ValueError(f"packer state: {key} must be an integer, got {state[key]!r}") from None
 
 
 class RowCounters:

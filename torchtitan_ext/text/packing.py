@@ -94,7 +94,6 @@ documents lie back to back without offsets (those of earlier releases).
 
 from __future__ import annotations
 
-import operator
 from bisect import bisect_right, insort
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -102,13 +101,15 @@ from typing import Any, Literal
 import numpy as np
 
 from torchtitan_ext.text.concat_split import ConcatSplitPacker
-from torchtitan_ext.text.doc_arena import DocArena, int_array, layout
+from torchtitan_ext.text.doc_arena import DocArena, layout
 from torchtitan_ext.text.packed_rows import (
     PackedRow,
     RowCounters,
     as_doc,
+    int_array,
     pct,
     row_to_example,
+    whole,
 )
 
 __all__ = ["BestFitPacker", "ConcatSplitPacker", "PackedRow", "make_packer", "row_to_example"]
@@ -289,7 +290,7 @@ class BestFitPacker:
         """Resume from a :meth:`state_dict` (or an earlier release's: no ``offsets``); a state
         of another kind or row length, or a damaged one, is refused in one line (ValueError)."""
         kind = 0 if self.mode == "crop" else 1
-        got_kind, row_len = _whole(state, "kind"), _whole(state, "row_len")
+        got_kind, row_len = whole(state, "kind"), whole(state, "row_len")
         if got_kind != kind or row_len != self.row_len:
             raise ValueError(
                 f"packer state is for kind={got_kind} row_len={row_len}, "
@@ -297,7 +298,7 @@ class BestFitPacker:
             )
         lengths, offsets, tokens = layout(state)
         seqs = int_array(state["seqs"], "seqs").astype(np.int64, copy=False)
-        next_seq = _whole(state, "next_seq")
+        next_seq = whole(state, "next_seq")
         if seqs.size != lengths.size:
             raise ValueError(f"packer state: {seqs.size} seqs for {lengths.size} documents")
         if seqs.size and (np.unique(seqs).size != seqs.size or int(seqs.max()) >= next_seq):
@@ -321,14 +322,6 @@ class BestFitPacker:
             "crop_pct": pct(c.tokens_cropped, c.tokens_in),
             "fill_pct": pct(c.tokens_out, c.rows * self.row_len),
         }
-
-
-def _whole(state: dict[str, Any], key: str) -> int:
-    """``state[key]`` as an int, or a one-line ValueError if it is not a whole number."""
-    try:
-        return operator.index(state[key])
-    except TypeError:
-        raise ValueError(f"packer state: {key} must be an integer, got {state[key]!r}") from None
 
 
 PackingMode = Literal["best_fit", "zero_discard", "concat_split"]
