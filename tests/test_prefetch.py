@@ -49,11 +49,18 @@ def _prefetch_threads() -> list[threading.Thread]:
 
 @pytest.fixture(autouse=True)
 def no_thread_leak():
+    """The prefetch threads alive before the test (another test's in the same process, e.g. a
+    pytest-xdist worker's, not yet collected): a test checks only those it started itself."""
     before = set(_prefetch_threads())
-    yield
+    yield before
     gc.collect()
     leaked = [t for t in _prefetch_threads() if t not in before and t.is_alive()]
     assert not leaked, f"leaked prefetch threads: {leaked}"
+
+
+def _started_here(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The prefetch threads alive now that were not before the test."""
+    return [t for t in _prefetch_threads() if t not in before and t.is_alive()]
 
 
 def _loader(data_dir, tok, **kw) -> PrefetchingParquetLoader:
@@ -120,11 +127,11 @@ def test_rows_decode_to_corpus_text(data_dir, tok):
 
 
 # ---------------------------------------------------------------------------- thread lifecycle
-def test_close_context_manager_and_gc_stop_the_thread(data_dir, tok):
+def test_close_context_manager_and_gc_stop_the_thread(data_dir, tok, no_thread_leak):
     loader = _loader(data_dir, tok)
     next(loader)
     # the producer and its read-ahead I/O helpers (up to read_ahead=4 concurrent reads)
-    kinds = sorted(t.name.split("-")[1] for t in _prefetch_threads())
+    kinds = sorted(t.name.split("-")[1] for t in _started_here(no_thread_leak))
     assert (
         kinds[0] == "prefetch"
         and 1 <= kinds.count("read") <= 4
@@ -132,17 +139,17 @@ def test_close_context_manager_and_gc_stop_the_thread(data_dir, tok):
     )
     loader.close()
     loader.close()  # idempotent
-    assert not _prefetch_threads()
+    assert not _started_here(no_thread_leak)
     with pytest.raises(RuntimeError, match="closed"):
         next(loader)
     with _loader(data_dir, tok) as other:
         next(other)
-    assert not _prefetch_threads()
+    assert not _started_here(no_thread_leak)
     dropped = _loader(data_dir, tok)
     next(dropped)
     del dropped  # no close(): the weakref finalizer stops the thread
     gc.collect()
-    assert not _prefetch_threads()
+    assert not _started_here(no_thread_leak)
 
 
 @pytest.mark.integration
@@ -172,7 +179,7 @@ def test_interpreter_exit_stops_the_thread(data_dir, tmp_path):
     assert out.stdout.splitlines()[-2:] == ["ok", "stopped at exit; thread alive: False"]
 
 
-def test_thread_exception_reraised_with_original_traceback(tmp_path, tok):
+def test_thread_exception_reraised_with_original_traceback(tmp_path, tok, no_thread_leak):
     texts = [f"document number {i} " * 5 for i in range(40)]
     texts[33] = None
     pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet", row_group_size=16)
@@ -196,7 +203,7 @@ def test_thread_exception_reraised_with_original_traceback(tmp_path, tok):
     assert "_run" in frames and "_texts" in frames  # the producer thread's frames are kept
     assert "__next__" in frames
     assert any("background thread" in n for n in getattr(err, "__notes__", []))
-    assert not _prefetch_threads()  # the failed producer is gone
+    assert not _started_here(no_thread_leak)  # the failed producer is gone
     loader.close()
 
 

@@ -46,11 +46,18 @@ def _loader_threads() -> list[threading.Thread]:
 
 @pytest.fixture(autouse=True)
 def no_thread_left():
+    """The loader threads alive before the test (another test's in the same process, e.g. a
+    pytest-xdist worker's, not yet collected): a test checks only those it started itself."""
     before = set(_loader_threads())
-    yield
+    yield before
     gc.collect()
     left = [t for t in _loader_threads() if t not in before]
     assert not left, f"threads left running: {left}"
+
+
+def _started_here(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The loader threads alive now that were not before the test."""
+    return [t for t in _loader_threads() if t not in before]
 
 
 def _write(path: Path, values, typ=None, row_group_size: int = 32) -> Path:
@@ -134,7 +141,7 @@ def test_empty_shard_at_dp2_is_passed_over_by_both_ranks(tmp_path, tok):
     assert time.monotonic() - t0 < 20
 
 
-def test_all_null_file_in_skip_mode_ends_in_a_clear_error(tmp_path, tok):
+def test_all_null_file_in_skip_mode_ends_in_a_clear_error(tmp_path, tok, no_thread_left):
     f = _write(tmp_path / "nulls.parquet", [None] * 100, pa.string())
     loader = _make(f, tok, on_bad_input="skip")  # infinite (the training default)
     t0 = time.monotonic()
@@ -148,7 +155,7 @@ def test_all_null_file_in_skip_mode_ends_in_a_clear_error(tmp_path, tok):
     assert (s["rows_read"], s["docs_read"], s["docs_skipped"]) == (100, 0, 100)
     assert loader.skip_counts == {"null": 100}
     assert loader.close() is True
-    assert not _loader_threads()
+    assert not _started_here(no_thread_left)
 
 
 def test_all_bad_rows_at_dp2_error_on_each_rank(tmp_path, tok):
@@ -185,7 +192,7 @@ def test_source_stream_ends_once_interrupted(tmp_path):
 
 
 # ----------------------------------------------------------------------------- shutdown
-def test_close_stops_a_producer_waiting_on_a_slow_read(tmp_path, tok):
+def test_close_stops_a_producer_waiting_on_a_slow_read(tmp_path, tok, no_thread_left):
     f = _write(tmp_path / "a.parquet", DOCS, row_group_size=10)
     loader = _make(f, tok, read_delay_s=2.0, read_ahead=2)
     loader.pipeline.start()
@@ -194,10 +201,12 @@ def test_close_stops_a_producer_waiting_on_a_slow_read(tmp_path, tok):
     assert loader.close() is True
     # at most the reads in flight (2 s), not the ones queued behind them (another 2 s)
     assert time.monotonic() - t0 < 3.3
-    assert not _loader_threads()
+    assert not _started_here(no_thread_left)
 
 
-def test_close_reports_a_read_that_never_returns(tmp_path, tok, monkeypatch, caplog):
+def test_close_reports_a_read_that_never_returns(
+    tmp_path, tok, monkeypatch, caplog, no_thread_left
+):
     f = _write(tmp_path / "a.parquet", DOCS, row_group_size=10)
     release = threading.Event()
     real = ParquetFiles.read_row_group
@@ -220,9 +229,9 @@ def test_close_reports_a_read_that_never_returns(tmp_path, tok, monkeypatch, cap
     finally:
         release.set()  # the read returns: everything then ends by itself
     deadline = time.monotonic() + 5
-    while _loader_threads() and time.monotonic() < deadline:
+    while _started_here(no_thread_left) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _loader_threads()
+    assert not _started_here(no_thread_left)
 
 
 # ----------------------------------------------------------------------------- counts

@@ -1,6 +1,7 @@
 """What every packer shares: the packed row, its split into a training example, the document
-check and the row counters (whose invariant every packer keeps; ``text/packing.py`` documents
-the packers, ``text/concat_split.py`` the plain one)."""
+check, the checks of a saved state's numbers (:func:`int_array`, :func:`whole`: refused in one
+line, never cast) and the row counters (whose invariant every packer keeps; ``text/packing.py``
+documents the packers, ``text/concat_split.py`` the plain one)."""
 
 from __future__ import annotations
 
