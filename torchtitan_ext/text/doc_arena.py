@@ -36,19 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_ext.text.packed_rows import int_array
+from torchtitan_ext.text.packed_rows import fits_int32, int_array, token_array
 
-_I32 = np.iinfo(np.int32)
 _INT32 = np.dtype(np.int32)
 ROOM_PER_DOC = 64
 """A re-layout leaves room for a quarter of the buffered tokens more and this many tokens per
 buffered document: it then runs at most once per 64 tokens added per document it moves."""
-
-
-def _fits32(doc: np.ndarray) -> bool:
-    return doc.dtype == np.int32 or (
-        doc.size == 0 or (int(doc.min()) >= _I32.min and int(doc.max()) <= _I32.max)
-    )
 
 
 class DocArena:
@@ -73,8 +66,8 @@ class DocArena:
         """Copy ``doc`` (1-D, non-empty) into the arena under insertion number ``seq``; its slot."""
         n = doc.size
         e = self.end
-        if e + n > self._cap or not (self._wide or doc.dtype is _INT32 or _fits32(doc)):
-            self._relayout(n, self._wide or not _fits32(doc))
+        if e + n > self._cap or not (self._wide or doc.dtype is _INT32 or fits_int32(doc)):
+            self._relayout(n, self._wide or not fits_int32(doc))
             e = self.end
         if not self._free:
             self._grow_slots()
@@ -131,7 +124,7 @@ class DocArena:
         ``0..k-1``, in their order."""
         a = cls(min_capacity)
         k = int(lengths.size)
-        a._wide = not _fits32(tokens)
+        a._wide = not fits_int32(tokens)
         a.tokens = np.empty(max(a._min, (3 * int(tokens.size)) // 2),
                             dtype=np.int64 if a._wide else np.int32)  # fmt: skip
         a.tokens[: tokens.size] = tokens
@@ -188,8 +181,7 @@ def layout(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``tokens``, or ValueError saying which is not. Without ``offsets`` the documents lie back to
     back and must fill ``tokens``."""
     lengths = int_array(state["lengths"], "lengths").astype(np.int64, copy=False)
-    tokens = int_array(state["tokens"], "tokens")
-    tokens = tokens if tokens.dtype == np.int32 else tokens.astype(np.int64)
+    tokens = token_array(int_array(state["tokens"], "tokens"))
     if state.get("offsets") is None:
         if int(lengths.sum()) != tokens.size:
             raise ValueError(

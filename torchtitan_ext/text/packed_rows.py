@@ -60,6 +60,16 @@ def as_doc(doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
+_I32 = np.iinfo(np.int32)
+
+
+def fits_int32(ids: np.ndarray) -> bool:
+    """Every id of ``ids`` fits ``int32`` (trivially for an ``int32`` array: no pass over it)."""
+    return ids.dtype == np.int32 or (
+        ids.size == 0 or (int(ids.min()) >= _I32.min and int(ids.max()) <= _I32.max)
+    )
+
+
 def int_array(value: Any, name: str) -> np.ndarray:
     """A packer state's ``value`` (an array or a list) as a 1-D array of integers in its own
     integer dtype, or a one-line ValueError naming ``name``: floats, bools, more dimensions and

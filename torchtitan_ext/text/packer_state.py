@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 
 from torchtitan_ext.text.doc_arena import layout
+from torchtitan_ext.text.packed_rows import fits_int32
 from torchtitan_ext.text.packing import BestFitPacker, ConcatSplitPacker
-
-_I32 = np.iinfo(np.int32)
 
 
 def live(packer: BestFitPacker | ConcatSplitPacker) -> dict[str, Any]:
@@ -56,11 +55,8 @@ def live(packer: BestFitPacker | ConcatSplitPacker) -> dict[str, Any]:
 
 
 def _small(tokens: np.ndarray) -> np.ndarray:
-    if tokens.dtype == np.int32:  # every piece was int32 (our tokenizer's documents)
-        return tokens
-    if tokens.size and (int(tokens.max()) > _I32.max or int(tokens.min()) < _I32.min):
-        return tokens.astype(np.int64)
-    return tokens.astype(np.int32)
+    """``tokens`` as ``int32`` where every id fits (our tokenizer's are ``int32`` already)."""
+    return tokens.astype(np.int32 if fits_int32(tokens) else np.int64, copy=False)
 
 
 def compact(ps: dict[str, Any]) -> dict[str, Any]:
